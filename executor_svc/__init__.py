@@ -1,0 +1,1 @@
+"""Executor service: runs the model over packed batches and samples next tokens."""

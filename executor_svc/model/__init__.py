@@ -1,0 +1,1 @@
+"""Model definitions that run over packed tokens with a paged KV cache."""

@@ -1,0 +1,75 @@
+"""Load a Hugging Face checkpoint folder into the packed-token Llama model.
+
+Hugging Face keeps q/k/v and gate/up as separate matrices; the model here
+wants them fused, so they are concatenated while loading, one tensor at a time
+so peak memory stays near one copy of the weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from executor_svc.model.llama import LlamaForCausalLM
+
+
+def _checkpoint_tensors(folder: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file that holds it."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    index: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                index[name] = file
+    return index
+
+
+def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    """Copy a checkpoint's tensors into ``model`` (converting to its dtype)."""
+    index = _checkpoint_tensors(folder)
+    handles: dict[Path, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        file = index.get(name)
+        if file is None:
+            raise KeyError(f"{folder}: checkpoint has no tensor {name!r}")
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(name)  # type: ignore[attr-defined]
+
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+        model.norm.weight.copy_(get("model.norm.weight"))
+        if "lm_head.weight" in index and not model.config.tie_word_embeddings:
+            model.lm_head.weight.copy_(get("lm_head.weight"))
+        else:
+            model.lm_head.weight = model.embed_tokens.weight  # tied: one tensor, not a copy
+        for i, layer in enumerate(model.layers):
+            prefix = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(get(prefix + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(get(prefix + "post_attention_layernorm.weight"))
+            layer.qkv_proj.weight.copy_(
+                torch.cat([get(prefix + f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")], dim=0)
+            )
+            layer.o_proj.weight.copy_(get(prefix + "self_attn.o_proj.weight"))
+            layer.gate_up_proj.weight.copy_(
+                torch.cat([get(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up")], dim=0)
+            )
+            layer.down_proj.weight.copy_(get(prefix + "mlp.down_proj.weight"))
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Random weights of the right scale, for benchmarks where only shapes matter."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("layernorm.weight") or name == "norm.weight":
+                param.fill_(1.0)
+            else:
+                fan_in = param.shape[-1]
+                values = torch.randn(param.shape, generator=generator) * fan_in**-0.5
+                param.copy_(values.to(param.dtype))

@@ -1,0 +1,73 @@
+"""The executor's gRPC server: Info, and the Step stream that runs plans.
+
+One scheduler drives an executor at a time: a second Step stream is refused
+with FAILED_PRECONDITION rather than interleaving two schedulers' block ids in
+one KV cache. When the stream ends (the scheduler went away), all request
+state is dropped, since the blocks it referred to belong to that scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+
+from executor_svc import wire
+from executor_svc.engine import Engine
+from executor_svc.runner import ModelRunner
+from protos import executor_pb2 as ex
+from protos import executor_pb2_grpc as ex_grpc
+from protos.plan import ExecutorInfo
+
+log = logging.getLogger("inflight.executor")
+
+MAX_MESSAGE_BYTES = 64 << 20  # a NewRequest carries whole prompts
+
+
+def executor_info(engine: Engine) -> ExecutorInfo:
+    cfg = engine.config
+    return ExecutorInfo(
+        model=engine.model_config.name, vocab_size=engine.model_config.vocab_size,
+        num_kv_blocks=engine.num_kv_blocks, tokens_per_block=cfg.tokens_per_block,
+        max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
+        max_seq_len=engine.max_seq_len, device=engine.device_name, dtype=str(engine.dtype).removeprefix("torch."),
+    )
+
+
+class ExecutorService(ex_grpc.ExecutorServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.runner = ModelRunner(engine)
+        self._attached = threading.Lock()
+
+    def Info(self, request: ex.InfoRequest, context: grpc.ServicerContext) -> ex.InfoResponse:
+        return wire.info_to_pb(executor_info(self.engine))
+
+    def Step(self, request_iterator: Iterator[ex.StepPlan], context: grpc.ServicerContext) -> Iterator[ex.StepResult]:
+        if not self._attached.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is attached to this executor")
+        log.info("scheduler attached from %s", context.peer())
+        try:
+            for plan_pb in request_iterator:
+                yield wire.result_to_pb(self.runner.execute(wire.plan_from_pb(plan_pb)))
+        finally:
+            self.runner.reset()
+            self._attached.release()
+            log.info("scheduler detached")
+
+
+def serve_executor(engine: Engine, address: str) -> grpc.Server:
+    """Start the executor's gRPC server on ``address`` (host:port); returns it running."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+    )
+    ex_grpc.add_ExecutorServicer_to_server(ExecutorService(engine), server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"executor could not bind {address}")
+    server.start()
+    log.info("executor serving on %s", address)
+    return server

@@ -1,0 +1,59 @@
+"""Protobuf <-> dataclass conversion for the executor: the only module here
+that touches generated protobuf classes."""
+
+from __future__ import annotations
+
+from protos import executor_pb2 as ex
+from protos.plan import CachedRequest, ExecutorInfo, NewRequest, SamplingConfig, StepPlan, StepResult
+
+
+def _sampling_from_pb(s: ex.SamplingConfig) -> SamplingConfig:
+    return SamplingConfig(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, seed=s.seed,
+        min_tokens_blocked_ids=list(s.min_tokens_blocked_ids), min_tokens=s.min_tokens,
+    )
+
+
+def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[
+            NewRequest(
+                request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
+                block_ids=list(r.block_ids), sampling=_sampling_from_pb(r.sampling),
+            )
+            for r in msg.new_requests
+        ],
+        cached_requests=[
+            CachedRequest(
+                request_id=c.request_id, num_computed_tokens=c.num_computed_tokens,
+                num_scheduled_tokens=c.num_scheduled_tokens, new_block_ids=list(c.new_block_ids),
+                draft_token_ids=list(c.draft_token_ids),
+            )
+            for c in msg.cached_requests
+        ],
+        finished_request_ids=list(msg.finished_request_ids),
+    )
+
+
+def result_to_pb(result: StepResult) -> ex.StepResult:
+    msg = ex.StepResult(
+        step_id=result.step_id, forward_us=result.forward_us, sample_us=result.sample_us, step_us=result.step_us,
+    )
+    for o in result.outputs:
+        msg.outputs.append(
+            ex.RequestOutput(request_id=o.request_id, token_ids=o.token_ids, next_draft_token_ids=o.next_draft_token_ids)
+        )
+    msg.request_errors.update(result.request_errors)
+    return msg
+
+
+def info_to_pb(info: ExecutorInfo) -> ex.InfoResponse:
+    return ex.InfoResponse(
+        model=info.model, vocab_size=info.vocab_size, num_kv_blocks=info.num_kv_blocks,
+        tokens_per_block=info.tokens_per_block, max_batch_size=info.max_batch_size,
+        max_num_tokens=info.max_num_tokens, max_seq_len=info.max_seq_len, device=info.device, dtype=info.dtype,
+    )

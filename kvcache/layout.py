@@ -1,0 +1,42 @@
+"""The executor-side shape of the paged KV cache.
+
+One tensor holds every layer's keys and values:
+``[num_layers, 2 (k, v), num_blocks, tokens_per_block, num_kv_heads, head_dim]``.
+Block ``b`` of layer ``l`` lives at ``cache[l, :, b]``, and token slot
+``s = block_id * tokens_per_block + offset`` indexes the flattened
+``[num_blocks * tokens_per_block]`` view, which is what the slot mapping of a
+step refers to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tokens_per_block: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * element
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        """How many blocks fit in ``budget_bytes`` of memory."""
+        return max(0, budget_bytes // self.bytes_per_block)
+
+    def allocate(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        shape = (self.num_layers, 2, num_blocks, self.tokens_per_block, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=device)
+
+
+def slot_mapping(block_table: list[int], start: int, end: int, tokens_per_block: int) -> list[int]:
+    """Flat cache slots of token positions ``[start, end)`` of one request."""
+    return [block_table[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block for pos in range(start, end)]

@@ -1,0 +1,72 @@
+"""Reference attention over the paged KV cache, in plain torch.
+
+Correct on CPU and CUDA for any GQA ratio; it is the oracle the fast kernels
+are tested against. Single-token queries (generation) of all requests are
+handled in one batched call by gathering each request's blocks into a padded
+``[requests, max_blocks * tokens_per_block]`` key/value tensor with a length
+mask; multi-token queries (context chunks, drafts) are handled one request at
+a time with a causal mask offset by the tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from plugins.attention_metadata import AttentionMetadata
+from plugins.registry import register_kernel
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values at their slots.
+
+    k_cache, v_cache: [num_blocks, tokens_per_block, kv_heads, head_dim]
+    k, v: [num_tokens, kv_heads, head_dim]; slot_mapping: [num_tokens]
+    """
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+@register_kernel("attention", "torch", description="reference: gather blocks + scaled_dot_product_attention")
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, tokens_per_block, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, heads, head_dim]
+    out = torch.empty_like(q)
+    tokens_per_block = k_cache.shape[1]
+    if meta.single_query_rows.numel():
+        rows = meta.single_query_rows
+        token_idx = meta.single_query_tokens
+        tables = meta.block_tables.index_select(0, rows)  # [B, max_blocks]
+        lens = meta.context_lens_t.index_select(0, rows)  # [B]
+        batch, max_blocks = tables.shape
+        k = k_cache[tables].flatten(1, 2)  # [B, max_blocks * tokens_per_block, kv_heads, D]
+        v = v_cache[tables].flatten(1, 2)
+        valid = torch.arange(max_blocks * tokens_per_block, device=q.device)[None, :] < lens[:, None]  # [B, L]
+        qb = q.index_select(0, token_idx)[:, :, None, :]  # [B, heads, 1, D]
+        ob = F.scaled_dot_product_attention(
+            qb, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+        )
+        out.index_copy_(0, token_idx, ob[:, :, 0, :])
+    for row in meta.multi_query_rows:
+        start, end = meta.query_start[row], meta.query_start[row + 1]
+        ctx = meta.context_lens[row]
+        num_blocks = -(-ctx // tokens_per_block)
+        table = meta.block_tables[row, :num_blocks]
+        k = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)  # [kv_heads, ctx, D]
+        v = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)
+        q_len = end - start
+        # Query i sits at position ctx - q_len + i and sees keys up to it.
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
+        o = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[start:end] = o.transpose(0, 1)
+    return out
+

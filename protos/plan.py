@@ -1,0 +1,114 @@
+"""The scheduler <-> executor contract as plain dataclasses.
+
+These mirror ``executor.proto`` one to one. The scheduler builds them, the
+executor consumes them, and either side converts them to and from protobuf in
+its own ``wire.py``; the in-process runner used by the offline LLM API passes
+them across without any conversion at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingConfig:
+    """How the executor samples one request's tokens (validated by the scheduler)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = disabled
+    top_p: float = 1.0  # 1.0 = disabled
+    min_p: float = 0.0  # 0 = disabled
+    repetition_penalty: float = 1.0  # 1.0 = disabled
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    # Ids that may not be sampled while fewer than min_tokens outputs exist.
+    min_tokens_blocked_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the executor has not seen: everything it needs, once."""
+
+    request_id: str
+    token_ids: list[int]  # prompt (+ output already produced, when resumed)
+    num_prompt_tokens: int
+    num_computed_tokens: int  # tokens of token_ids already in the KV cache
+    num_scheduled_tokens: int  # tokens to compute this step
+    block_ids: list[int]
+    sampling: SamplingConfig
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """A request the executor holds: only what changed since the last step."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    new_block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # reserved
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step of work. Context (new) requests come before generation ones."""
+
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    # Drop executor state of these before running the step.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.cached_requests
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.new_requests and not self.cached_requests
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """Tokens one request produced in one step (variable length)."""
+
+    request_id: str
+    token_ids: list[int]
+    next_draft_token_ids: list[int] = field(default_factory=list)  # reserved
+
+
+@dataclass(slots=True)
+class StepResult:
+    """The executor's answer to one StepPlan."""
+
+    step_id: int
+    outputs: list[RequestOutput] = field(default_factory=list)
+    forward_us: int = 0
+    sample_us: int = 0
+    step_us: int = 0
+    # request_id -> reason, for requests that failed in this step alone.
+    request_errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ExecutorInfo:
+    """Capacity an executor reports once; the scheduler sizes its pool from it."""
+
+    model: str
+    vocab_size: int
+    num_kv_blocks: int
+    tokens_per_block: int
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    device: str
+    dtype: str

@@ -1,0 +1,89 @@
+"""Incremental, UTF-8 safe detokenization with stop strings.
+
+Decoding tokens one by one breaks characters that span several tokens and
+drops the spaces that tokenizers attach to the following token. Instead, each
+step decodes a short window of recent tokens twice (with and without the new
+ones) and emits the difference, holding text back while it ends in an
+incomplete character (U+FFFD) -- the method TGI and vLLM use.
+
+Stop strings: text that could be the start of a stop string is held back
+until it is clear it is not, so a client never receives part of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.tokenizer import Tokenizer
+
+# Tokens of left context re-decoded with each new token, so that word-boundary
+# spaces come out right.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    tokenizer: Tokenizer
+    prompt_token_ids: list[int]
+    stop: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(init=False)
+    prefix_offset: int = field(init=False)
+    read_offset: int = field(init=False)
+    text: str = field(init=False, default="")  # all output text decoded so far
+    emitted: int = field(init=False, default=0)  # chars of `text` already sent
+    stopped: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(0, self.read_offset - _CONTEXT_TOKENS)
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Feed new tokens; returns the text that can be sent now."""
+        for token in new_token_ids:
+            self.token_ids.append(token)
+            self._decode_one()
+            if self.stopped:
+                break
+        return self._take(final=self.stopped)
+
+    def flush(self) -> str:
+        """At the end of a request: everything not yet sent."""
+        return self._take(final=True)
+
+    def _decode_one(self) -> None:
+        prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return  # nothing new yet, or a character is incomplete
+        self.text += full[len(prefix) :]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        if self.stop:
+            self._check_stop()
+
+    def _check_stop(self) -> None:
+        # Only the tail can contain a stop string that was not there before.
+        window_start = max(0, self.emitted - max(map(len, self.stop)))
+        positions = [p for p in (self.text.find(s, window_start) for s in self.stop) if p >= 0]
+        if positions:
+            self.text = self.text[: min(positions)]
+            self.stopped = True
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and self.stop:
+            end -= self._partial_stop_len()
+        chunk = self.text[self.emitted : end]
+        self.emitted = max(self.emitted, end)
+        return chunk
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stop:
+            for size in range(min(len(stop) - 1, len(self.text)), best, -1):
+                if self.text.endswith(stop[:size]):
+                    best = size
+                    break
+        return best

@@ -1,0 +1,225 @@
+"""The scheduler's step loop and the per-request output streams.
+
+``AsyncEngine`` runs one asyncio task that repeats: schedule a step, send the
+plan to the executor, apply the result, detokenize, and push chunks to each
+request's queue. Request handlers (gRPC or the LLM API) call ``generate`` and
+iterate the chunks; leaving the iteration early (client cancel, deadline)
+aborts the request and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from protos.plan import ExecutorInfo
+from scheduler_svc.api_types import GenerationChunk, GenerationRequest, ModelDescription, Usage
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.executor_client import ExecutorConnection, ExecutorUnavailable
+from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from scheduler_svc.tokenizer import Tokenizer
+from scheduler_svc.validation import InvalidRequest, Limits, build_request
+
+log = logging.getLogger("inflight.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than max_queue_size allows."""
+
+
+class EngineUnavailable(RuntimeError):
+    """No executor can serve requests right now."""
+
+
+@dataclass(slots=True)
+class EngineLimits:
+    """Scheduler-side limits; zero means "take the executor's value"."""
+
+    max_batch_size: int = 0
+    max_num_tokens: int = 0
+    max_seq_len: int = 0
+    max_queue_size: int = 1024
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: asyncio.Queue[GenerationChunk]
+    detokenizer: IncrementalDetokenizer
+
+
+class AsyncEngine:
+    def __init__(self, executor: ExecutorConnection, tokenizer: Tokenizer, limits: EngineLimits | None = None) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.limits = limits or EngineLimits()
+        self.scheduler: Scheduler | None = None
+        self.info: ExecutorInfo | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._healthy = False
+        self.num_steps = 0
+
+    async def start(self) -> None:
+        self.info = await self.executor.info()
+        lim = self.limits
+        config = SchedulerConfig(
+            max_batch_size=min(lim.max_batch_size or self.info.max_batch_size, self.info.max_batch_size),
+            max_num_tokens=min(lim.max_num_tokens or self.info.max_num_tokens, self.info.max_num_tokens),
+            tokens_per_block=self.info.tokens_per_block,
+            num_kv_blocks=self.info.num_kv_blocks,
+            max_seq_len=min(lim.max_seq_len or self.info.max_seq_len, self.info.max_seq_len),
+        )
+        self.scheduler = Scheduler(config)
+        self._healthy = True
+        self._task = asyncio.create_task(self._loop(), name="inflight-step-loop")
+        log.info(
+            "attached to executor: %s on %s, %d KV blocks of %d tokens, max_batch_size=%d max_num_tokens=%d max_seq_len=%d",
+            self.info.model, self.info.device, config.num_kv_blocks, config.tokens_per_block,
+            config.max_batch_size, config.max_num_tokens, config.max_seq_len,
+        )
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.executor.close()
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    def describe(self) -> ModelDescription:
+        assert self.info is not None and self.scheduler is not None, "engine not started"
+        cfg = self.scheduler.config
+        return ModelDescription(
+            model=self.info.model, vocab_size=self.info.vocab_size, max_seq_len=cfg.max_seq_len,
+            max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
+            tokens_per_block=cfg.tokens_per_block, num_kv_blocks=cfg.num_kv_blocks,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids), has_chat_template=self.tokenizer.has_chat_template,
+            device=self.info.device,
+        )
+
+    def limits_for_validation(self) -> Limits:
+        assert self.info is not None and self.scheduler is not None, "engine not started"
+        return Limits(vocab_size=self.info.vocab_size, max_seq_len=self.scheduler.config.max_seq_len)
+
+    # -- requests ------------------------------------------------------------
+
+    def add(self, req: GenerationRequest) -> Request:
+        """Validate and enqueue; raises InvalidRequest, QueueFull or EngineUnavailable."""
+        if self.scheduler is None or not self._healthy:
+            raise EngineUnavailable("no executor is attached")
+        request = build_request(req, self.tokenizer, self.limits_for_validation())
+        if request.request_id in self.scheduler.requests:
+            raise InvalidRequest("request_id", f"{request.request_id!r} is already in flight")
+        if len(self.scheduler.waiting) >= self.limits.max_queue_size:
+            raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue_size={self.limits.max_queue_size})")
+        self._streams[request.request_id] = _Stream(
+            asyncio.Queue(), IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stopping.stop)
+        )
+        self.scheduler.add_request(request)
+        self._wake.set()
+        return request
+
+    async def stream(self, request: Request) -> AsyncIterator[GenerationChunk]:
+        """Chunks of an added request until it finishes; aborts it if left early."""
+        stream = self._streams[request.request_id]
+        finished = False
+        try:
+            while not finished:
+                chunk = await stream.queue.get()
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        request = self.add(req)
+        async for chunk in self.stream(request):
+            yield chunk
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: its blocks are free before the next step is planned."""
+        self._streams.pop(request_id, None)
+        if self.scheduler is not None and self.scheduler.finish_request(request_id, FinishReason.CANCELLED):
+            log.info("request %s cancelled", request_id)
+            self._wake.set()  # freed blocks may let the queue head in
+
+    # -- the step loop ---------------------------------------------------------
+
+    async def _loop(self) -> None:
+        assert self.scheduler is not None
+        scheduler = self.scheduler
+        while True:
+            if not scheduler.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = scheduler.schedule()
+            if plan.is_empty:
+                # Nothing could be scheduled (e.g. the queue head waits for blocks
+                # that only a finishing request frees): wait for a change.
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                result = await self.executor.step(plan)
+            except ExecutorUnavailable as exc:
+                await self._executor_lost(str(exc))
+                continue
+            self.num_steps += 1
+            for update in scheduler.update(result):
+                self._deliver(update)
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        request = update.request
+        stream = self._streams.get(request.request_id)
+        if stream is None:
+            return
+        detok = stream.detokenizer
+        text = detok.add_tokens(update.new_token_ids)
+        reason = update.finish_reason
+        if reason is None and detok.stopped:  # a stop string matched
+            reason = FinishReason.STOP
+            self.scheduler.finish_request(request.request_id, reason)  # type: ignore[union-attr]
+        if reason is None:
+            stream.queue.put_nowait(GenerationChunk(request.request_id, update.new_token_ids, text))
+            return
+        text += detok.flush() if reason is not FinishReason.STOP else ""
+        stream.queue.put_nowait(
+            GenerationChunk(
+                request.request_id, update.new_token_ids, text, finish_reason=reason,
+                usage=Usage(request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens),
+                error=request.error,
+            )
+        )
+        del self._streams[request.request_id]
+
+    async def _executor_lost(self, message: str) -> None:
+        """Fail every request in flight, then try to attach again."""
+        log.error("executor lost: %s", message)
+        self._healthy = False
+        scheduler = self.scheduler
+        assert scheduler is not None
+        for request_id in list(scheduler.requests):
+            request = scheduler.finish_request(request_id, FinishReason.ERROR, f"executor unavailable: {message}")
+            if request is not None:
+                self._deliver(RequestUpdate(request, [], FinishReason.ERROR))
+        scheduler.forget_executor_state()
+        while True:
+            try:
+                await self.executor.info()
+                break
+            except ExecutorUnavailable as exc:
+                log.warning("executor still unavailable: %s", exc)
+                await asyncio.sleep(1.0)
+        self._healthy = True
+        log.info("executor attached again")

@@ -1,0 +1,88 @@
+"""A request as the scheduler sees it, and the parameters a client gave it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from protos.plan import SamplingConfig
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class StoppingParams:
+    max_tokens: int
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request.
+
+    The scheduler's single rule: a request holds ``num_tokens`` tokens (prompt
+    plus output) of which ``num_computed_tokens`` are in the KV cache; each step
+    it may be given up to ``num_tokens - num_computed_tokens`` new tokens to
+    compute. Prefill, chunked context and decode are all that one rule.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingConfig
+    stopping: StoppingParams
+    eos_token_ids: frozenset[int]
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    sent_to_executor: bool = False  # False until its NewRequest has been planned
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens the request can ever hold: what admission reserves blocks for."""
+        return self.num_prompt_tokens + self.stopping.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def check_token_stop(self, token: int) -> FinishReason | None:
+        """Stop conditions decided by token ids alone (stop strings need text)."""
+        num_output = len(self.output_token_ids)
+        if token in self.stopping.stop_token_ids and num_output >= self.stopping.min_tokens:
+            return FinishReason.STOP
+        if not self.stopping.ignore_eos and token in self.eos_token_ids and num_output >= self.stopping.min_tokens:
+            return FinishReason.EOS
+        if num_output >= self.stopping.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,69 @@
+"""The public ``inflight.v1.Generation`` gRPC service, plus health and reflection."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import generation_pb2 as pb
+from protos import generation_pb2_grpc as pb_grpc
+from scheduler_svc import wire
+from scheduler_svc.engine_loop import AsyncEngine, EngineUnavailable, QueueFull
+from scheduler_svc.validation import InvalidRequest, prompt_token_ids
+
+log = logging.getLogger("inflight.scheduler")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
+        try:
+            added = self.engine.add(wire.generation_request_from_pb(request))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except EngineUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Leaving this generator early (client cancel, deadline) aborts the request.
+        async for chunk in self.engine.stream(added):
+            yield wire.chunk_to_pb(chunk)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            ids = prompt_token_ids(wire.tokenize_input_from_pb(request), self.engine.tokenizer, self.engine.limits_for_validation())
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, tokens=self.engine.tokenizer.token_strings(ids))
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        return wire.model_info_to_pb(self.engine.describe())
+
+
+async def start_scheduler_server(engine: AsyncEngine, address: str) -> tuple[grpc.aio.Server, health.HealthServicer]:
+    """Serve Generation, grpc.health.v1 and reflection on ``address``; returns the running server."""
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    )
+    pb_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
+    health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"scheduler could not bind {address}")
+    await server.start()
+    status = health_pb2.HealthCheckResponse.SERVING
+    for name in ("", SERVICE_NAME):
+        result = health_servicer.set(name, status)
+        if result is not None:
+            await result
+    log.info("scheduler serving inflight.v1.Generation on %s", address)
+    return server, health_servicer

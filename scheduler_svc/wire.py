@@ -1,0 +1,137 @@
+"""Protobuf <-> dataclass conversion for the scheduler: the only module here
+that touches generated protobuf classes."""
+
+from __future__ import annotations
+
+from protos import executor_pb2 as ex
+from protos import generation_pb2 as pb
+from protos.plan import ExecutorInfo, RequestOutput, SamplingConfig, StepPlan, StepResult
+from scheduler_svc.api_types import ChatMessage, GenerationChunk, GenerationRequest, ModelDescription
+from scheduler_svc.request import FinishReason
+
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+# -- public API ---------------------------------------------------------------
+
+
+def _chat_from_pb(chat: pb.ChatInput) -> tuple[list[ChatMessage], bool]:
+    messages = [ChatMessage(role=m.role, content=m.content) for m in chat.messages]
+    add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return messages, add_prompt
+
+
+def generation_request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
+    req = GenerationRequest(request_id=msg.request_id)
+    form = msg.WhichOneof("input")
+    if form == "text":
+        req.text = msg.text
+    elif form == "token_ids":
+        req.token_ids = list(msg.token_ids.ids)
+    elif form == "chat":
+        req.chat, req.add_generation_prompt = _chat_from_pb(msg.chat)
+    s = msg.sampling
+    req.temperature = s.temperature if s.HasField("temperature") else None
+    req.top_k = s.top_k
+    req.top_p = s.top_p if s.HasField("top_p") else None
+    req.min_p = s.min_p
+    req.repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else None
+    req.presence_penalty = s.presence_penalty
+    req.frequency_penalty = s.frequency_penalty
+    req.seed = s.seed if s.HasField("seed") else None
+    t = msg.stopping
+    req.max_tokens = t.max_tokens if t.HasField("max_tokens") else None
+    req.min_tokens = t.min_tokens
+    req.stop = list(t.stop)
+    req.stop_token_ids = list(t.stop_token_ids)
+    req.ignore_eos = t.ignore_eos
+    return req
+
+
+def tokenize_input_from_pb(msg: pb.TokenizeRequest) -> GenerationRequest:
+    form = msg.WhichOneof("input")
+    if form == "text":
+        return GenerationRequest(text=msg.text)
+    if form == "chat":
+        messages, add_prompt = _chat_from_pb(msg.chat)
+        return GenerationRequest(chat=messages, add_generation_prompt=add_prompt)
+    return GenerationRequest()
+
+
+def chunk_to_pb(chunk: GenerationChunk) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        request_id=chunk.request_id, token_ids=chunk.token_ids, text=chunk.text,
+        finish_reason=_FINISH_TO_PB[chunk.finish_reason], error=chunk.error,
+    )
+    if chunk.usage is not None:
+        msg.usage.prompt_tokens = chunk.usage.prompt_tokens
+        msg.usage.completion_tokens = chunk.usage.completion_tokens
+        msg.usage.cached_tokens = chunk.usage.cached_tokens
+    return msg
+
+
+def model_info_to_pb(info: ModelDescription) -> pb.ModelInfoResponse:
+    return pb.ModelInfoResponse(
+        model=info.model, vocab_size=info.vocab_size, max_seq_len=info.max_seq_len,
+        max_batch_size=info.max_batch_size, max_num_tokens=info.max_num_tokens,
+        tokens_per_block=info.tokens_per_block, num_kv_blocks=info.num_kv_blocks,
+        eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template, device=info.device,
+    )
+
+
+# -- executor protocol --------------------------------------------------------
+
+
+def _sampling_to_pb(s: SamplingConfig) -> ex.SamplingConfig:
+    return ex.SamplingConfig(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, seed=s.seed,
+        min_tokens_blocked_ids=s.min_tokens_blocked_ids, min_tokens=s.min_tokens,
+    )
+
+
+def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
+    msg = ex.StepPlan(step_id=plan.step_id, finished_request_ids=plan.finished_request_ids)
+    for r in plan.new_requests:
+        msg.new_requests.append(
+            ex.NewRequest(
+                request_id=r.request_id, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
+                num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
+                block_ids=r.block_ids, sampling=_sampling_to_pb(r.sampling),
+            )
+        )
+    for c in plan.cached_requests:
+        msg.cached_requests.append(
+            ex.CachedRequest(
+                request_id=c.request_id, num_computed_tokens=c.num_computed_tokens,
+                num_scheduled_tokens=c.num_scheduled_tokens, new_block_ids=c.new_block_ids,
+                draft_token_ids=c.draft_token_ids,
+            )
+        )
+    return msg
+
+
+def result_from_pb(msg: ex.StepResult) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        outputs=[
+            RequestOutput(o.request_id, list(o.token_ids), list(o.next_draft_token_ids)) for o in msg.outputs
+        ],
+        forward_us=msg.forward_us, sample_us=msg.sample_us, step_us=msg.step_us,
+        request_errors=dict(msg.request_errors),
+    )
+
+
+def info_from_pb(msg: ex.InfoResponse) -> ExecutorInfo:
+    return ExecutorInfo(
+        model=msg.model, vocab_size=msg.vocab_size, num_kv_blocks=msg.num_kv_blocks,
+        tokens_per_block=msg.tokens_per_block, max_batch_size=msg.max_batch_size,
+        max_num_tokens=msg.max_num_tokens, max_seq_len=msg.max_seq_len, device=msg.device, dtype=msg.dtype,
+    )
