@@ -169,6 +169,9 @@ class Client:
     def model_info(self) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest())
 
+    def stats(self) -> pb.StatsResponse:
+        return self.stub.Stats(pb.StatsRequest())
+
 
 class AsyncClient:
     """asyncio client."""
@@ -213,3 +216,6 @@ class AsyncClient:
 
     async def model_info(self) -> pb.ModelInfoResponse:
         return await self.stub.ModelInfo(pb.ModelInfoRequest())
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.stub.Stats(pb.StatsRequest())

@@ -20,7 +20,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,6 @@ class ArchSpec:
     expected_shapes: Callable[[dict[str, Any]], dict[str, tuple[int, ...]]]
     # (HF name, float32 array, config) -> array; layout fixes such as un-permuting.
     fix_tensor: Callable[[str, np.ndarray, dict[str, Any]], np.ndarray] = lambda n, w, c: w
-    ignored_tensors: frozenset[str] = field(default_factory=frozenset)
 
 
 # --------------------------------------------------------------------- llama
@@ -91,13 +90,9 @@ _LLAMA_TENSORS = {
 
 
 def _special_token_ids(meta: _Meta) -> dict[str, int]:
-    ids = {}
-    for hf_key, gguf_key in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
-                             ("pad_token_id", "padding"), ("unk_token_id", "unknown")):
-        value = meta.get(f"tokenizer.ggml.{gguf_key}_token_id", None)
-        if value is not None:
-            ids[hf_key] = int(value)
-    return ids
+    names = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
+    ids = {f"{hf}_token_id": meta.get(f"tokenizer.ggml.{g}_token_id", None) for hf, g in names.items()}
+    return {k: int(v) for k, v in ids.items() if v is not None}
 
 
 def _llama_config(meta: _Meta, tensor_names: set[str]) -> dict[str, Any]:
@@ -112,15 +107,12 @@ def _llama_config(meta: _Meta, tensor_names: set[str]) -> dict[str, Any]:
     vocab = meta.get(f"{a}.vocab_size", None) or len(meta.get("tokenizer.ggml.tokens"))
     theta = float(meta.get(f"{a}.rope.freq_base", 10000.0))
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(meta.get(f"{a}.feed_forward_length")),
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": int(meta.get(f"{a}.feed_forward_length")),
         "num_hidden_layers": int(meta.get(f"{a}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
-        "head_dim": int(head_dim or hidden // heads),
-        "hidden_act": "silu",
+        "head_dim": int(head_dim or hidden // heads), "hidden_act": "silu",
         "rms_norm_eps": float(meta.get(f"{a}.attention.layer_norm_rms_epsilon")),
         # transformers 5 reads rope_parameters; the flat key is for other readers.
         "rope_theta": theta,
@@ -129,10 +121,8 @@ def _llama_config(meta: _Meta, tensor_names: set[str]) -> dict[str, Any]:
         "vocab_size": int(vocab),
         # llama.cpp drops output.weight when the head is tied to the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": False,
-        "mlp_bias": False,
-        **_special_token_ids(meta),
-        "torch_dtype": "float32",
+        "attention_bias": False, "mlp_bias": False,
+        **_special_token_ids(meta), "torch_dtype": "float32",
     }
 
 
@@ -196,8 +186,6 @@ def _read_weights(reader: GGUFReader, spec: ArchSpec, cfg: dict[str, Any],
     out: dict[str, np.ndarray] = {}
     for t in tqdm(reader.tensors, desc="Dequantizing GGUF", unit="tensor", file=sys.stderr,
                   disable=not progress):
-        if t.name in spec.ignored_tensors:
-            continue
         name = _hf_name(spec, t.name)
         if name is None or name not in expected:
             # Dropping an unknown weight would give a silently wrong model.
@@ -208,7 +196,7 @@ def _read_weights(reader: GGUFReader, spec: ArchSpec, cfg: dict[str, Any],
             raise ValueError(f"{t.name} -> {name}: shape {w.shape}, expected {expected[name]}")
         out[name] = np.ascontiguousarray(spec.fix_tensor(name, w, cfg))
     missing = sorted(set(expected) - set(out))
-    if missing:
+    if missing:  # a truncated or foreign file: fail now, not at model load time
         raise ValueError(f"GGUF is missing {len(missing)} tensors, e.g. {missing[:3]}")
     return out
 
@@ -250,8 +238,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         raise FileExistsError(f"refusing to overwrite existing {out_dir}")
     reader = GGUFReader(gguf_path)
     meta = _Meta(reader)
-    arch = meta.get("general.architecture")
-    spec = ARCHITECTURES.get(arch)
+    spec = ARCHITECTURES.get(arch := meta.get("general.architecture"))
     if spec is None:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(sorted(ARCHITECTURES))})")
@@ -269,11 +256,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         _save_tokenizer(gguf_path, tmp, meta.get("tokenizer.chat_template", None))
-        st = gguf_path.stat()
-        (tmp / SOURCE_FILE).write_text(json.dumps({
-            "source": str(gguf_path.resolve()), "size": st.st_size,
-            "architecture": arch, "converter_version": CONVERTER_VERSION,
-        }, indent=2) + "\n")
+        source = {"source": str(gguf_path.resolve()), "size": gguf_path.stat().st_size,
+                  "architecture": arch, "converter_version": CONVERTER_VERSION}
+        (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
         # mkdtemp makes 0700 (and safetensors 0600) entries; a model cache may be
         # shared between users, so publish world-readable like a normal folder.
         tmp.chmod(0o755)
