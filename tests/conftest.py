@@ -1,0 +1,104 @@
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct), its Hugging
+Face twin as the outside oracle, and an inflight engine on the test device.
+
+INFLIGHT_TEST_DEVICE selects the device (default cpu; "cuda" on a GPU box).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from inflight.model_store import DEFAULT_MODEL, resolve_model
+
+TEST_DEVICE = os.environ.get("INFLIGHT_TEST_DEVICE", "cpu")
+
+# Prompts of different lengths and kinds; the last is long enough to need
+# several KV blocks and, with a small max_num_tokens, several context chunks.
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    "List three colors:",
+    "Q: What is 12 times 12?\nA:",
+    "Translate to French: The cat sits on the mat.",
+    "The history of the printing press begins in " + "the fifteenth century, when " * 6,
+    (
+        "Paged attention stores the key and value cache in fixed-size blocks, much like virtual memory "
+        "stores pages. A block table maps each sequence's logical blocks to physical blocks, so memory "
+        "is allocated on demand and freed without fragmentation. Inflight batching lets new requests "
+        "join a running batch at every step instead of waiting for the whole batch to finish. "
+    ) * 3
+    + "In one sentence, the main benefit of these two ideas together is",
+]
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return resolve_model(DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from scheduler_svc.tokenizer import Tokenizer
+
+    return Tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return model.to(TEST_DEVICE).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, tokenizer) -> list[list[int]]:
+    """Greedy continuations of PROMPTS by transformers' ``generate``, one prompt at a time."""
+    outputs = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([tokenizer.encode(prompt)], device=TEST_DEVICE)
+            out = hf_model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                pad_token_id=tokenizer.hf.pad_token_id,
+            )
+            outputs.append(out[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="session")
+def engine(model_dir):
+    """One loaded model + KV cache for the whole session (float32 for parity)."""
+    from executor_svc.engine import EngineConfig, load_engine
+
+    return load_engine(
+        EngineConfig(
+            model_dir=model_dir, device=TEST_DEVICE, dtype="float32", tokens_per_block=16,
+            max_seq_len=2048, kv_cache_bytes=256 << 20, max_batch_size=64, max_num_tokens=4096,
+        )
+    )
+
+
+def run_async(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def make_async_engine(engine, tokenizer):
+    """Build an AsyncEngine over the shared model with scheduler limits of the test's choice."""
+    from inflight.inprocess import InProcessExecutor
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+
+    async def make(**limits) -> AsyncEngine:
+        async_engine = AsyncEngine(InProcessExecutor(engine), tokenizer, EngineLimits(**limits))
+        await async_engine.start()
+        return async_engine
+
+    return make
