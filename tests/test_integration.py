@@ -1,0 +1,188 @@
+"""The real architecture on loopback: an executor process and a scheduler
+process connected by gRPC, driven through the public API by the Python client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inflight.client import AsyncClient, Client
+from tests.conftest import MAX_NEW_TOKENS, PROMPTS, TEST_DEVICE
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """Start `inflight executor` and `inflight scheduler` as separate processes."""
+    executor_port, port = _free_port(), _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    common = ["--max-seq-len", "2048", "--max-batch-size", "32"]
+    executor = subprocess.Popen(
+        [sys.executable, "-m", "inflight", "executor", "--model", str(model_dir), "--port", str(executor_port),
+         "--device", TEST_DEVICE, "--dtype", "float32", "--tokens-per-block", "16", "--kv-cache-gb", "0.25", *common],
+        env=env,
+    )
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "inflight", "scheduler", "--model", str(model_dir), "--port", str(port),
+         "--executor", f"127.0.0.1:{executor_port}", "--max-queue-size", "64", *common],
+        env=env,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        _wait_serving(address, [executor, scheduler])
+        yield address
+    finally:
+        for proc in (scheduler, executor):
+            proc.terminate()
+        for proc in (scheduler, executor):
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_serving(address: str, procs, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            for proc in procs:
+                assert proc.poll() is None, f"server process exited with {proc.returncode}"
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError("server did not become healthy")
+
+
+def _wait_idle(client: Client, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.stats()
+        if stats.num_running_requests == 0 and stats.num_waiting_requests == 0:
+            return stats
+        time.sleep(0.1)
+    raise TimeoutError(f"requests still in flight: {client.stats()}")
+
+
+def test_sixteen_concurrent_streams_match_hf(server, hf_reference):
+    prompts = PROMPTS * 2  # 16 concurrent requests
+
+    async def run():
+        async with AsyncClient(server) as client:
+            async def one(prompt):
+                chunks = [c async for c in client.generate_stream(prompt, max_tokens=MAX_NEW_TOKENS, temperature=0.0)]
+                return chunks
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(run())
+    for prompt, chunks, expected in zip(prompts, results, hf_reference * 2):
+        ids = [t for c in chunks for t in c.token_ids]
+        assert ids == expected, prompt[:40]
+        assert len(chunks) >= 2, "tokens should stream in several messages"
+        last = chunks[-1]
+        assert last.finish_reason in ("length", "eos")
+        assert last.usage.completion_tokens == len(ids)
+    with Client(server) as client:
+        stats = _wait_idle(client)
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_tokenize_and_model_info(server, tokenizer):
+    with Client(server) as client:
+        assert client.tokenize("Hello world") == tokenizer.encode("Hello world")
+        chat = client.tokenize(messages=[{"role": "user", "content": "Hi"}])
+        assert chat[0] == 1  # <|im_start|> opens the template
+        info = client.model_info()
+        assert info.vocab_size == 49152 and info.max_seq_len == 2048 and info.tokens_per_block == 16
+        assert info.has_chat_template and 2 in info.eos_token_ids
+
+
+def test_chat_stop_strings_and_stop_tokens(server):
+    with Client(server) as client:
+        chat = client.generate(messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=48, temperature=0.0)
+        assert chat.text.strip() and chat.finish_reason in ("eos", "length")
+        full = client.generate("The capital of France is", max_tokens=24, temperature=0.0)
+        word = full.text.split()[1]  # a word that appears mid-completion
+        stopped = client.generate("The capital of France is", max_tokens=24, temperature=0.0, stop=[word])
+        assert stopped.finish_reason == "stop"
+        assert word not in stopped.text and full.text.startswith(stopped.text)
+        token = full.token_ids[3]
+        by_token = client.generate("The capital of France is", max_tokens=24, temperature=0.0, stop_token_ids=[token])
+        assert by_token.finish_reason == "stop" and by_token.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+
+
+BAD_REQUESTS = [
+    (dict(prompt=""), "text"),
+    (dict(prompt="hi", max_tokens=5000), "max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(prompt="hi", top_k=-1), "top_k"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(token_ids=[1, 2, 10**6]), "token_ids"),
+    (dict(messages=[{"role": "wizard", "content": "hi"}]), "role"),
+    (dict(messages=[{"role": "user", "content": ""}]), "content"),
+    (dict(messages=[]), "chat"),
+    (dict(), "input"),
+]
+
+
+def test_bad_requests_are_rejected_without_disturbing_others(server, hf_reference):
+    async def run():
+        async with AsyncClient(server) as client:
+            good = asyncio.create_task(client.generate(PROMPTS[0], max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+            errors = []
+            for kwargs, field in BAD_REQUESTS:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await client.generate(**{"max_tokens": 4, **kwargs} if "max_tokens" not in kwargs else kwargs)
+                errors.append((info.value, field))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.generate("hi", top_k=0, max_tokens=4, min_p=2.0)
+            errors.append((info.value, "min_p"))
+            return await good, errors
+
+    completion, errors = asyncio.run(run())
+    for error, field in errors:
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in error.details(), error.details()
+    assert completion.token_ids == hf_reference[0]
+
+
+def test_cancel_mid_stream_frees_blocks(server):
+    with Client(server) as client:
+        total = client.stats().num_kv_blocks
+        stream = client.generate_stream("Write a long story about a dragon.", max_tokens=1000, temperature=0.0, ignore_eos=True)
+        received = [next(stream) for _ in range(3)]
+        assert all(c.finish_reason is None for c in received)
+        assert client.stats().num_running_requests == 1
+        stream.close()  # the client cancels the RPC
+        stats = _wait_idle(client)
+        assert stats.num_free_kv_blocks == total
+
+
+def test_deadline_exceeded_frees_blocks(server):
+    with Client(server) as client:
+        total = client.stats().num_kv_blocks
+        with pytest.raises(grpc.RpcError) as info:
+            client.generate("Count to one thousand:", max_tokens=1000, ignore_eos=True, timeout=1.0)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_idle(client).num_free_kv_blocks == total
