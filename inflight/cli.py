@@ -115,14 +115,14 @@ async def _run_scheduler(args: argparse.Namespace, executor_address: str) -> Non
     )
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()
-    server, _ = await start_scheduler_server(engine, f"{args.host}:{args.port}")
+    server = await start_scheduler_server(engine, f"{args.host}:{args.port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     logging.getLogger("inflight").info("shutting down")
-    await server.stop(grace=2)
+    await server.stop()
     await engine.stop()
 
 

@@ -64,6 +64,11 @@ class AsyncEngine:
         self.num_steps = 0
 
     async def start(self) -> None:
+        await self._attach()
+        self._task = asyncio.create_task(self._loop(), name="inflight-step-loop")
+
+    async def _attach(self) -> None:
+        """Ask the executor for its capacity and size a fresh scheduler from it."""
         self.info = await self.executor.info()
         lim = self.limits
         config = SchedulerConfig(
@@ -75,7 +80,6 @@ class AsyncEngine:
         )
         self.scheduler = Scheduler(config)
         self._healthy = True
-        self._task = asyncio.create_task(self._loop(), name="inflight-step-loop")
         log.info(
             "attached to executor: %s on %s, %d KV blocks of %d tokens, max_batch_size=%d max_num_tokens=%d max_seq_len=%d",
             self.info.model, self.info.device, config.num_kv_blocks, config.tokens_per_block,
@@ -156,9 +160,9 @@ class AsyncEngine:
     # -- the step loop ---------------------------------------------------------
 
     async def _loop(self) -> None:
-        assert self.scheduler is not None
-        scheduler = self.scheduler
         while True:
+            scheduler = self.scheduler
+            assert scheduler is not None
             if not scheduler.has_work:
                 self._wake.clear()
                 await self._wake.wait()
@@ -204,7 +208,11 @@ class AsyncEngine:
         del self._streams[request.request_id]
 
     async def _executor_lost(self, message: str) -> None:
-        """Fail every request in flight, then try to attach again."""
+        """Fail every request in flight, then wait for an executor and attach again.
+
+        Requests cannot be carried over: their KV cache lived in the executor.
+        While detached, new requests get UNAVAILABLE instead of queueing.
+        """
         log.error("executor lost: %s", message)
         self._healthy = False
         scheduler = self.scheduler
@@ -213,13 +221,10 @@ class AsyncEngine:
             request = scheduler.finish_request(request_id, FinishReason.ERROR, f"executor unavailable: {message}")
             if request is not None:
                 self._deliver(RequestUpdate(request, [], FinishReason.ERROR))
-        scheduler.forget_executor_state()
         while True:
             try:
-                await self.executor.info()
-                break
+                await self._attach()  # the executor may come back with another capacity
+                return
             except ExecutorUnavailable as exc:
                 log.warning("executor still unavailable: %s", exc)
                 await asyncio.sleep(1.0)
-        self._healthy = True
-        log.info("executor attached again")

@@ -38,7 +38,13 @@ class GrpcExecutorConnection:
         self.connect_timeout_s = connect_timeout_s
         self._channel = grpc.aio.insecure_channel(
             address,
-            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # Notice a restarted executor within seconds, not grpc's default two minutes.
+                ("grpc.initial_reconnect_backoff_ms", 200),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ],
         )
         self._stub = ex_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None

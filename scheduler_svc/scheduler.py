@@ -92,10 +92,6 @@ class Scheduler:
         request.error = error
         return request
 
-    def forget_executor_state(self) -> None:
-        """The executor went away with its per-request state: nothing to drop there."""
-        self._finished_ids.clear()
-
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -58,7 +60,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
-async def start_scheduler_server(engine: AsyncEngine, address: str) -> tuple[grpc.aio.Server, health.HealthServicer]:
+@dataclass(slots=True)
+class SchedulerServer:
+    server: grpc.aio.Server
+    health: health.HealthServicer
+    health_task: asyncio.Task[None]
+
+    async def stop(self, grace: float = 2.0) -> None:
+        self.health_task.cancel()
+        await self.server.stop(grace=grace)
+
+
+async def start_scheduler_server(engine: AsyncEngine, address: str) -> SchedulerServer:
     """Serve Generation, grpc.health.v1 and reflection on ``address``; returns the running server."""
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
@@ -70,10 +83,20 @@ async def start_scheduler_server(engine: AsyncEngine, address: str) -> tuple[grp
     if server.add_insecure_port(address) == 0:
         raise OSError(f"scheduler could not bind {address}")
     await server.start()
-    status = health_pb2.HealthCheckResponse.SERVING
-    for name in ("", SERVICE_NAME):
-        result = health_servicer.set(name, status)
-        if result is not None:
-            await result
+    task = asyncio.create_task(_mirror_health(engine, health_servicer), name="inflight-health")
     log.info("scheduler serving inflight.v1.Generation on %s", address)
-    return server, health_servicer
+    return SchedulerServer(server, health_servicer, task)
+
+
+async def _mirror_health(engine: AsyncEngine, health_servicer: health.HealthServicer) -> None:
+    """Report SERVING while an executor is attached, NOT_SERVING while it is not."""
+    current = None
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if engine.healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        if status != current:
+            for name in ("", SERVICE_NAME):
+                result = health_servicer.set(name, status)
+                if result is not None:
+                    await result
+            current = status
+        await asyncio.sleep(0.5)

@@ -5,81 +5,29 @@ process connected by gRPC, driven through the public API by the Python client.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inflight.client import AsyncClient, Client
-from tests.conftest import MAX_NEW_TOKENS, PROMPTS, TEST_DEVICE
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.conftest import MAX_NEW_TOKENS, PROMPTS
+from tests.servers import free_port, spawn_executor, spawn_scheduler, stop, wait_idle, wait_serving
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    """Start `inflight executor` and `inflight scheduler` as separate processes."""
-    executor_port, port = _free_port(), _free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    common = ["--max-seq-len", "2048", "--max-batch-size", "32"]
-    executor = subprocess.Popen(
-        [sys.executable, "-m", "inflight", "executor", "--model", str(model_dir), "--port", str(executor_port),
-         "--device", TEST_DEVICE, "--dtype", "float32", "--tokens-per-block", "16", "--kv-cache-gb", "0.25", *common],
-        env=env,
-    )
-    scheduler = subprocess.Popen(
-        [sys.executable, "-m", "inflight", "scheduler", "--model", str(model_dir), "--port", str(port),
-         "--executor", f"127.0.0.1:{executor_port}", "--max-queue-size", "64", *common],
-        env=env,
-    )
+    """`inflight executor` and `inflight scheduler` as two processes."""
+    executor_port, port = free_port(), free_port()
+    executor = spawn_executor(model_dir, executor_port)
+    scheduler = spawn_scheduler(model_dir, port, executor_port)
     address = f"127.0.0.1:{port}"
     try:
-        _wait_serving(address, [executor, scheduler])
+        wait_serving(address, [executor, scheduler])
         yield address
     finally:
-        for proc in (scheduler, executor):
-            proc.terminate()
-        for proc in (scheduler, executor):
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _wait_serving(address: str, procs, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            for proc in procs:
-                assert proc.poll() is None, f"server process exited with {proc.returncode}"
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError("server did not become healthy")
-
-
-def _wait_idle(client: Client, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = client.stats()
-        if stats.num_running_requests == 0 and stats.num_waiting_requests == 0:
-            return stats
-        time.sleep(0.1)
-    raise TimeoutError(f"requests still in flight: {client.stats()}")
+        stop(scheduler, executor)
 
 
 def test_sixteen_concurrent_streams_match_hf(server, hf_reference):
@@ -102,7 +50,7 @@ def test_sixteen_concurrent_streams_match_hf(server, hf_reference):
         assert last.finish_reason in ("length", "eos")
         assert last.usage.completion_tokens == len(ids)
     with Client(server) as client:
-        stats = _wait_idle(client)
+        stats = wait_idle(client)
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
@@ -175,7 +123,7 @@ def test_cancel_mid_stream_frees_blocks(server):
         assert all(c.finish_reason is None for c in received)
         assert client.stats().num_running_requests == 1
         stream.close()  # the client cancels the RPC
-        stats = _wait_idle(client)
+        stats = wait_idle(client)
         assert stats.num_free_kv_blocks == total
 
 
@@ -185,4 +133,20 @@ def test_deadline_exceeded_frees_blocks(server):
         with pytest.raises(grpc.RpcError) as info:
             client.generate("Count to one thousand:", max_tokens=1000, ignore_eos=True, timeout=1.0)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert _wait_idle(client).num_free_kv_blocks == total
+        assert wait_idle(client).num_free_kv_blocks == total
+
+
+def test_generate_cli_streams_only_the_completion_to_stdout(server):
+    with Client(server) as client:
+        expected = client.generate("The capital of France is", max_tokens=12, temperature=0.0).text
+    out = subprocess.run(
+        [sys.executable, "-m", "inflight", "generate", "--server", server, "--prompt", "The capital of France is",
+         "--max-tokens", "12", "--temperature", "0"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert out.stdout == expected + "\n"
+    bad = subprocess.run(
+        [sys.executable, "-m", "inflight", "generate", "--server", server, "--prompt", "hi", "--top-p", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode != 0 and bad.stdout == "" and "top_p" in bad.stderr

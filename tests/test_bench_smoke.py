@@ -1,0 +1,57 @@
+"""Smoke run of bench/serving.py: tiny lengths, real server over gRPC, real peer.
+
+Checks that the run completes and the JSON has its fields; no timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(180)
+def test_bench_serving_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "smoke.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "serving.py"),
+        "--concurrency", "1,2", "--input-len", "16", "--output-len", "4", "--device", "cpu",
+        "--warmup-tokens", "2", "--kv-cache-gb", "0.05", "--plot", "--output", str(out),
+        "--server-log", str(tmp_path / "server.log"),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+
+    result = json.loads(out.read_text())
+    for key in ("command", "git", "date", "device", "model", "dtype", "input_len", "output_len", "server",
+                "inflight", "peer", "ratios", "acceptance"):
+        assert key in result, key
+    assert result["input_len"] == 16 and result["output_len"] == 4
+    assert "commit" in result["git"] and "dirty" in result["git"]
+    assert result["device"]["device"] == "cpu" and result["device"]["torch"]
+
+    assert set(result["inflight"]) == {"1", "2"}
+    for c, level in result["inflight"].items():
+        assert level["concurrency"] == int(c)
+        assert level["total_output_tokens"] == int(c) * 4
+        assert level["output_tokens_per_s"] > 0
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert level[metric]["p50"] is not None and level[metric]["p99"] is not None
+
+    peer = result["peer"]
+    assert peer["one_at_a_time"]["total_output_tokens"] == 2 * 4
+    assert peer["one_at_a_time"]["output_tokens_per_s"] > 0
+    assert peer["padded_batch"]["2"]["output_tokens_per_s"] > 0
+    assert peer["agreement_with_inflight"]["num_requests"] == 2
+    for name in ("inflight_c1_over_hf_one_at_a_time", "inflight_c2_over_hf_one_at_a_time", "inflight_c2_over_hf_padded_batch_2"):
+        assert result["ratios"][name] > 0
+    assert "inflight_c1_over_hf_one_at_a_time" in result["acceptance"]
+
+    assert out.with_suffix(".png").stat().st_size > 0

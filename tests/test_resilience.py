@@ -1,0 +1,73 @@
+"""The service survives its parts going away: an executor killed mid-stream
+fails only the requests it held, the scheduler reports NOT_SERVING and answers
+UNAVAILABLE, and it serves again once an executor is back on the same address.
+Also: `inflight serve` runs both processes and stops both."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from inflight.client import Client
+from tests.servers import free_port, health_status, spawn, spawn_executor, spawn_scheduler, stop, wait_serving
+
+
+def test_executor_restart(model_dir):
+    executor_port, port = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    executor = spawn_executor(model_dir, executor_port)
+    scheduler = spawn_scheduler(model_dir, port, executor_port)
+    try:
+        wait_serving(address, [executor, scheduler])
+        with Client(address) as client:
+            stream = client.generate_stream("Tell me a long story.", max_tokens=1500, ignore_eos=True, temperature=0.0)
+            next(stream)
+            executor.kill()
+            executor.wait()
+            last = list(stream)[-1]
+            assert last.finish_reason == "error" and "executor unavailable" in last.error
+
+            deadline = time.monotonic() + 10
+            while health_status(address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "scheduler never reported NOT_SERVING"
+                time.sleep(0.2)
+            with pytest.raises(grpc.RpcError) as info:
+                client.generate("hi", max_tokens=4)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            executor = spawn_executor(model_dir, executor_port)
+            wait_serving(address, [executor, scheduler])
+            again = client.generate("The capital of France is", max_tokens=8, temperature=0.0)
+            assert again.finish_reason == "length" and len(again.token_ids) == 8
+            stats = client.stats()
+            assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert scheduler.poll() is None
+    finally:
+        stop(scheduler, executor)
+
+
+def test_serve_runs_both_processes(model_dir):
+    port, executor_port = free_port(), free_port()
+    serve = spawn(
+        "serve", "--model", str(model_dir), "--port", str(port), "--executor-port", str(executor_port),
+        "--device", "cpu", "--kv-cache-gb", "0.25", "--max-seq-len", "1024",
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, [serve])
+        with Client(address) as client:
+            out = client.generate(messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0.0)
+            assert out.token_ids and out.finish_reason in ("length", "eos")
+            assert client.model_info().max_seq_len == 1024
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+        # The executor child went with it: its port is free again.
+        executor = spawn_executor(model_dir, executor_port)
+        time.sleep(0.5)
+        stop(executor)
+    finally:
+        stop(serve)
