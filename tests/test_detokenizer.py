@@ -1,0 +1,51 @@
+"""Incremental detokenization: UTF-8 safe, spaces right, stop strings never leak."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello world, this is a test.",
+    "Emoji 🎉🚀 and accents: café, naïve, Zürich.",
+    "中文字符和日本語のテキスト",
+    "  leading spaces\n\nand\tTabs  ",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_one_token_at_a_time_equals_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"))
+    pieces = [detok.add_tokens([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_multibyte_character_is_held_until_complete(tokenizer):
+    ids = tokenizer.encode("🎉")
+    assert len(ids) > 1  # byte-level BPE splits the emoji
+    detok = IncrementalDetokenizer(tokenizer, [])
+    assert [detok.add_tokens([t]) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.add_tokens([ids[-1]]) == "🎉"
+
+
+def test_stop_string_across_tokens_is_cut_and_never_sent(tokenizer):
+    ids = tokenizer.encode("The answer is forty-two. END of message")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["END"])
+    sent = ""
+    for t in ids:
+        sent += detok.add_tokens([t])
+        assert "E" not in sent.split("two.")[-1], "a prefix of the stop string leaked"
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert sent + detok.flush() == "The answer is forty-two. "
+
+
+def test_held_back_prefix_is_released_when_it_is_not_a_stop(tokenizer):
+    ids = tokenizer.encode("Go to the ENTRANCE now")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["END"])
+    text = "".join(detok.add_tokens([t]) for t in ids) + detok.flush()
+    assert not detok.stopped and text == "Go to the ENTRANCE now"
