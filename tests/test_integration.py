@@ -64,6 +64,14 @@ def test_tokenize_and_model_info(server, tokenizer):
         assert info.has_chat_template and 2 in info.eos_token_ids
 
 
+def test_reflection_lists_the_services(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"inflight.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
 def test_chat_stop_strings_and_stop_tokens(server):
     with Client(server) as client:
         chat = client.generate(messages=[{"role": "user", "content": "Name three fruits."}], max_tokens=48, temperature=0.0)
