@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from executor_svc.model.config import ModelConfig
-from executor_svc.model.llama import LlamaForCausalLM
-from executor_svc.model.weights import init_dummy_weights, load_hf_weights
+from executor_svc.model.registry import architecture_for
+from executor_svc.model.weights import init_dummy_weights
 from kvcache.layout import KVCacheLayout
 from plugins import get_kernel
 
@@ -47,7 +48,7 @@ class EngineConfig:
 class Engine:
     config: EngineConfig
     model_config: ModelConfig
-    model: LlamaForCausalLM
+    model: nn.Module  # forward(input_ids, positions, kv_cache, meta) -> hidden; compute_logits(hidden)
     kv_cache: torch.Tensor  # [layers, 2, num_blocks, tokens_per_block, kv_heads, D]
     layout: KVCacheLayout
     num_kv_blocks: int
@@ -81,13 +82,14 @@ def load_engine(config: EngineConfig) -> Engine:
     max_seq_len = config.max_seq_len or model_config.max_position_embeddings
     attention = get_kernel("attention", config.attention, device, dtype)
 
+    arch = architecture_for(model_config)
     with torch.device(device):
-        model = LlamaForCausalLM(model_config, max_positions=max_seq_len, attention=attention.fn)  # type: ignore[arg-type]
+        model = arch.model_class(model_config, max_positions=max_seq_len, attention=attention.fn)
     model = model.to(dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model)
     elif config.load_format == "auto":
-        load_hf_weights(model, config.model_dir)
+        arch.load_checkpoint(model, config.model_dir)
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {config.load_format!r}")
     model.eval().requires_grad_(False)

@@ -35,6 +35,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int = 0,  # > 0: a query sees only the last `sliding_window` positions
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     out = torch.empty_like(q)
     tokens_per_block = k_cache.shape[1]
@@ -46,7 +47,10 @@ def paged_attention(
         batch, max_blocks = tables.shape
         k = k_cache[tables].flatten(1, 2)  # [B, max_blocks * tokens_per_block, kv_heads, D]
         v = v_cache[tables].flatten(1, 2)
-        valid = torch.arange(max_blocks * tokens_per_block, device=q.device)[None, :] < lens[:, None]  # [B, L]
+        key_pos = torch.arange(max_blocks * tokens_per_block, device=q.device)[None, :]
+        valid = key_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
+        if sliding_window > 0:
+            valid &= key_pos > lens[:, None] - 1 - sliding_window
         qb = q.index_select(0, token_idx)[:, :, None, :]  # [B, heads, 1, D]
         ob = F.scaled_dot_product_attention(
             qb, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
@@ -63,7 +67,10 @@ def paged_attention(
         q_len = end - start
         # Query i sits at position ctx - q_len + i and sees keys up to it.
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos  # [q_len, ctx]
+        key_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = key_pos <= q_pos  # [q_len, ctx]
+        if sliding_window > 0:
+            mask &= key_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
         )

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +31,6 @@ class ModelConfig:
         raw = json.loads((folder / "config.json").read_text())
         architectures = raw.get("architectures") or ["LlamaForCausalLM"]
         architecture = architectures[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{folder}: architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         heads = raw["num_attention_heads"]
         rope_theta = raw.get("rope_theta")
         rope_scaling = raw.get("rope_scaling")

@@ -24,7 +24,8 @@ from executor_svc.model.config import ModelConfig
 from plugins.attention_metadata import AttentionMetadata
 from plugins.attention_torch import write_kv
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# (q, k_cache, v_cache, meta, scale[, sliding_window]) -> out; see plugins/attention_torch.py
+AttentionFn = Callable[..., torch.Tensor]
 
 
 class RMSNorm(nn.Module):
