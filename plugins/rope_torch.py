@@ -1,0 +1,75 @@
+"""Reference rotary position embedding: tables and application.
+
+Two layouts: GPT-NeoX style (``neox``: the two halves of each head rotate
+together; Llama, Mistral, Gemma in Hugging Face layout) and GPT-J style
+(``gptj``: even/odd pairs rotate together). Llama-3 frequency scaling is
+applied when the model's ``rope_scaling`` asks for it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from plugins.registry import register_kernel
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim / 2]`` (float32), with Llama-3 scaling if asked."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "llama3":
+        factor = scaling["factor"]
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        old_context = scaling.get("original_max_position_embeddings", 8192)
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type not in ("default", None):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int, style: str = "neox") -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_positions, head_dim]`` laid out for ``style``."""
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    if style == "neox":
+        emb = torch.cat((freqs, freqs), dim=-1)
+    elif style == "gptj":
+        emb = freqs.repeat_interleave(2, dim=-1)
+    else:
+        raise ValueError(f"rope style must be 'neox' or 'gptj', got {style!r}")
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, style: str) -> torch.Tensor:
+    if style == "neox":
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    pairs = x.unflatten(-1, (-1, 2))  # gptj: (x0, x1) -> (-x1, x0) for each pair
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+@register_kernel("rope", "torch", description="reference: table lookup + rotate (neox or gptj layout)")
+def apply_rope(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    cos_table: torch.Tensor,  # [max_positions, head_dim]
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,  # [tokens]
+    style: str = "neox",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = cos_table.index_select(0, positions)[:, None, :].to(q.dtype)
+    sin = sin_table.index_select(0, positions)[:, None, :].to(q.dtype)
+    return q * cos + _rotate(q, style) * sin, k * cos + _rotate(k, style) * sin
