@@ -1,10 +1,11 @@
-"""Everything the executor loads once: model, KV cache, sampler settings.
+"""Loading an engine folder for serving: model, weights, KV cache.
 
-``load_engine`` builds the model on its device, loads weights (or random ones),
-and sizes the paged KV cache from a memory budget: an explicit number of
-bytes, or what is free on the GPU after the weights minus a reserve of
-``1 - kv_cache_fraction`` of the card for activations (vLLM's
-gpu_memory_utilization idea).
+``load_engine`` checks that the engine was built for this device, builds the
+model with the kernels the builder chose, loads the prepared weights (or
+re-draws random ones for a dummy engine), and sizes the paged KV cache from a
+memory budget: an explicit number of bytes, or what is free on the GPU after
+the weights minus a reserve of ``1 - kv_cache_fraction`` of the card for
+activations (vLLM's gpu_memory_utilization idea).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_model
 from torch import nn
 
+from executor_svc.engine_file import WEIGHTS_NAME, EngineManifest, check_device, read_manifest
 from executor_svc.model.config import ModelConfig
-from executor_svc.model.registry import architecture_for
 from executor_svc.model.weights import init_dummy_weights
 from kvcache.layout import KVCacheLayout
-from plugins import get_kernel
 
 log = logging.getLogger("inflight.executor")
 
@@ -28,33 +29,44 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass(slots=True)
-class EngineConfig:
-    """How to load and size an engine; the CLI fills it from flags."""
+class RuntimeConfig:
+    """Settings of one executor process (the rest is baked into the engine)."""
 
-    model_dir: Path
-    device: str = "auto"  # "auto" = cuda if available, else cpu
-    dtype: str = "auto"  # "auto" = bfloat16 on cuda, float32 on cpu
-    max_batch_size: int = 256
-    max_num_tokens: int = 8192
-    max_seq_len: int = 0  # 0 = the model's max_position_embeddings
-    tokens_per_block: int = 32
+    device: str = "auto"  # "auto" = the engine's device type, index 0
     kv_cache_bytes: int = 0  # 0 = derive from kv_cache_fraction (GPU) or 2 GiB (CPU)
     kv_cache_fraction: float = 0.9  # of GPU memory, when kv_cache_bytes is 0
-    attention: str = "torch"
-    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
 
 
 @dataclass(slots=True)
 class Engine:
-    config: EngineConfig
-    model_config: ModelConfig
+    engine_dir: Path
+    manifest: EngineManifest
     model: nn.Module  # forward(input_ids, positions, kv_cache, meta) -> hidden; compute_logits(hidden)
     kv_cache: torch.Tensor  # [layers, 2, num_blocks, tokens_per_block, kv_heads, D]
     layout: KVCacheLayout
     num_kv_blocks: int
     device: torch.device
     dtype: torch.dtype
-    max_seq_len: int
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.manifest.model
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.manifest.max_seq_len
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.manifest.build_config.max_batch_size
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.manifest.build_config.max_num_tokens
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.manifest.build_config.tokens_per_block
 
     @property
     def device_name(self) -> str:
@@ -72,49 +84,43 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def load_engine(config: EngineConfig) -> Engine:
-    device = resolve_device(config.device)
-    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype {dtype_name!r} is not one of {sorted(DTYPES)}")
-    dtype = DTYPES[dtype_name]
-    model_config = ModelConfig.from_folder(config.model_dir)
-    max_seq_len = config.max_seq_len or model_config.max_position_embeddings
-    attention = get_kernel("attention", config.attention, device, dtype)
+def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engine:
+    from executor_svc.model.registry import build_model  # the registry imports model code; keep it lazy
 
-    arch = architecture_for(model_config)
-    with torch.device(device):
-        model = arch.model_class(model_config, max_positions=max_seq_len, attention=attention.fn)
-    model = model.to(dtype)
-    if config.load_format == "dummy":
+    runtime = runtime or RuntimeConfig()
+    manifest = read_manifest(engine_dir)
+    device = torch.device("cuda:0" if manifest.device.type == "cuda" else "cpu") if runtime.device == "auto" else torch.device(runtime.device)
+    check_device(manifest, device, engine_dir)
+    dtype = DTYPES[manifest.dtype]
+    model_config = manifest.model
+    model = build_model(model_config, manifest.max_seq_len, {k: c.name for k, c in manifest.plugins.items()}, device, dtype)
+    if manifest.load_format == "dummy":
         init_dummy_weights(model)
-    elif config.load_format == "auto":
-        arch.load_checkpoint(model, config.model_dir)
     else:
-        raise ValueError(f"load_format must be 'auto' or 'dummy', got {config.load_format!r}")
-    model.eval().requires_grad_(False)
+        missing, unexpected = load_model(model, str(engine_dir / WEIGHTS_NAME), strict=True, device=str(device))
+        if missing or unexpected:
+            raise RuntimeError(f"{engine_dir}: weights do not match the model (missing {missing}, unexpected {unexpected})")
 
+    build = manifest.build_config
     layout = KVCacheLayout(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        tokens_per_block=config.tokens_per_block,
-        dtype=dtype,
+        num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        tokens_per_block=build.tokens_per_block, dtype=dtype,
     )
-    budget = config.kv_cache_bytes or _default_kv_budget(device, config.kv_cache_fraction)
+    budget = runtime.kv_cache_bytes or _default_kv_budget(device, runtime.kv_cache_fraction)
     num_blocks = layout.num_blocks_for_budget(budget)
-    min_blocks = -(-max_seq_len // config.tokens_per_block)
+    min_blocks = -(-manifest.max_seq_len // build.tokens_per_block)
     if num_blocks < min_blocks:
         raise ValueError(
-            f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of {config.tokens_per_block} tokens, "
-            f"fewer than one max_seq_len={max_seq_len} sequence needs ({min_blocks}); raise the KV cache size or lower max_seq_len"
+            f"KV cache budget of {budget / 2**20:.0f} MiB holds {num_blocks} blocks of {build.tokens_per_block} tokens, "
+            f"fewer than one max_seq_len={manifest.max_seq_len} sequence needs ({min_blocks}); "
+            "raise the KV cache size or build with a smaller max_seq_len"
         )
     kv_cache = layout.allocate(num_blocks, device)
     log.info(
-        "engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.0f MiB)",
-        model_config.name, device, dtype_name, num_blocks, config.tokens_per_block, num_blocks * layout.bytes_per_block / 2**20,
+        "engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.0f MiB)", model_config.name, device, manifest.dtype,
+        num_blocks, build.tokens_per_block, num_blocks * layout.bytes_per_block / 2**20,
     )
-    return Engine(config, model_config, model, kv_cache, layout, num_blocks, device, dtype, max_seq_len)
+    return Engine(engine_dir, manifest, model, kv_cache, layout, num_blocks, device, dtype)
 
 
 def _default_kv_budget(device: torch.device, fraction: float) -> int:

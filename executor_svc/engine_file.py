@@ -68,6 +68,7 @@ class PluginChoice:
     timings_us: dict[str, float] = field(default_factory=dict)  # candidate -> median time
     fallback: bool = False  # requested implementation could not run; reference used instead
     note: str = ""
+    benchmark: str = ""  # the shapes the candidates were timed on
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.device = engine.device
-        self.tokens_per_block = engine.layout.tokens_per_block
+        self.tokens_per_block = engine.tokens_per_block
         self.vocab_size = engine.model_config.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}

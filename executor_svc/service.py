@@ -28,12 +28,11 @@ MAX_MESSAGE_BYTES = 64 << 20  # a NewRequest carries whole prompts
 
 
 def executor_info(engine: Engine) -> ExecutorInfo:
-    cfg = engine.config
     return ExecutorInfo(
         model=engine.model_config.name, vocab_size=engine.model_config.vocab_size,
-        num_kv_blocks=engine.num_kv_blocks, tokens_per_block=cfg.tokens_per_block,
-        max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
-        max_seq_len=engine.max_seq_len, device=engine.device_name, dtype=str(engine.dtype).removeprefix("torch."),
+        num_kv_blocks=engine.num_kv_blocks, tokens_per_block=engine.tokens_per_block,
+        max_batch_size=engine.max_batch_size, max_num_tokens=engine.max_num_tokens,
+        max_seq_len=engine.max_seq_len, device=engine.device_name, dtype=engine.manifest.dtype,
     )
 
 

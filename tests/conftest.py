@@ -77,16 +77,23 @@ def hf_reference(hf_model, tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def engine(model_dir):
-    """One loaded model + KV cache for the whole session (float32 for parity)."""
-    from executor_svc.engine import EngineConfig, load_engine
+def engine_dir(model_dir, tmp_path_factory) -> Path:
+    """The default model built into an engine for the test device (float32 for parity)."""
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_engine
 
-    return load_engine(
-        EngineConfig(
-            model_dir=model_dir, device=TEST_DEVICE, dtype="float32", tokens_per_block=16,
-            max_seq_len=2048, kv_cache_bytes=256 << 20, max_batch_size=64, max_num_tokens=4096,
-        )
-    )
+    path = tmp_path_factory.mktemp("engines") / "smollm2"
+    build = BuildConfig(max_batch_size=64, max_num_tokens=4096, max_seq_len=2048, tokens_per_block=16, dtype="float32")
+    build_engine(model_dir, path, build, device=TEST_DEVICE, progress=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine(engine_dir):
+    """One loaded engine (model + KV cache) for the whole session."""
+    from executor_svc.engine import RuntimeConfig, load_engine
+
+    return load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=256 << 20))
 
 
 def run_async(coro):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ class ModelConfig:
             if params.get("rope_type", "default") != "default":
                 rope_scaling = params
         return cls(
-            name=raw.get("_name_or_path") or folder.name,
+            # Folders of the model store end in a content hash; the name is what precedes it.
+            name=raw.get("_name_or_path") or re.sub(r"-[0-9a-f]{12}$", "", folder.name),
             architecture=architecture,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],

@@ -7,16 +7,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.model.weights import load_hf_weights
+from plugins.kernels import Kernels
 
 
 @dataclass(frozen=True, slots=True)
 class Architecture:
-    model_class: Callable[..., nn.Module]  # (config, max_positions, attention) -> model
+    model_class: Callable[..., nn.Module]  # (config, max_positions, kernels) -> model
     load_checkpoint: Callable[[nn.Module, Path], None]  # copies HF tensors into the model
 
 
@@ -33,3 +35,13 @@ def architecture_for(config: ModelConfig) -> Architecture:
         raise ValueError(
             f"architecture {config.architecture!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))}"
         ) from None
+
+
+def build_model(
+    config: ModelConfig, max_positions: int, kernel_names: dict[str, str], device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """An inference-mode model of ``config`` on ``device`` in ``dtype``, weights not yet loaded."""
+    kernels = Kernels.from_names(kernel_names, device, dtype)
+    with torch.device(device):
+        model = architecture_for(config).model_class(config, max_positions=max_positions, kernels=kernels)
+    return model.to(dtype).eval().requires_grad_(False)

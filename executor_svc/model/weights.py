@@ -44,10 +44,8 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
     with torch.no_grad():
         model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
         model.norm.weight.copy_(get("model.norm.weight"))
-        if "lm_head.weight" in index and not model.config.tie_word_embeddings:
+        if not model.config.tie_word_embeddings:  # tied: the model already shares one tensor
             model.lm_head.weight.copy_(get("lm_head.weight"))
-        else:
-            model.lm_head.weight = model.embed_tokens.weight  # tied: one tensor, not a copy
         for i, layer in enumerate(model.layers):
             prefix = f"model.layers.{i}."
             layer.input_layernorm.weight.copy_(get(prefix + "input_layernorm.weight"))

@@ -1,0 +1,120 @@
+"""``inflight build``: turn a checkpoint into an engine folder for one device.
+
+The chain TensorRT-LLM users know: read the model definition, prepare the
+graph (fused q/k/v and gate/up projections, tied embeddings resolved, weights
+cast to the engine's dtype), choose an implementation per layer kind by
+timing the candidates on the target device, then serialize everything the
+runtime needs. Engines built from a checkpoint on the fly are cached under a
+key of the checkpoint, the build config and the device, so ``inflight serve``
+builds once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_model
+from tqdm import tqdm
+
+from executor_svc.build_config import BuildConfig
+from executor_svc.engine_file import (
+    WEIGHTS_NAME, DeviceSignature, EngineManifest, copy_tokenizer_files, is_engine_dir, library_versions, write_manifest,
+)
+from executor_svc.kernel_selection import select_plugins
+from executor_svc.model.config import ModelConfig
+from executor_svc.engine import DTYPES, resolve_device
+from executor_svc.model.registry import architecture_for, build_model
+
+log = logging.getLogger("inflight.build")
+
+
+def resolve_dtype(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return name
+
+
+def build_engine(
+    checkpoint: Path, output_dir: Path, build: BuildConfig, device: str = "auto", load_format: str = "auto",
+    progress: bool = True,
+) -> EngineManifest:
+    """Build ``checkpoint`` (a Hugging Face folder) into ``output_dir`` for ``device``."""
+    started = time.perf_counter()
+    build.validate()
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    target = resolve_device(device)
+    dtype_name = resolve_dtype(build.dtype, target)
+    dtype = DTYPES[dtype_name]
+    model_config = ModelConfig.from_folder(checkpoint)
+    max_seq_len = build.max_seq_len or model_config.max_position_embeddings
+    if output_dir.exists() and any(output_dir.iterdir()) and not is_engine_dir(output_dir):
+        raise FileExistsError(f"{output_dir} exists and is not an engine folder; refusing to overwrite it")
+
+    steps = ["choose kernels", "load weights", "write engine"]
+    with tqdm(total=len(steps), desc="inflight build", unit="step", disable=not progress) as bar:
+        bar.set_postfix_str(steps[0])
+        plugins = select_plugins(model_config, build, target, dtype)
+        bar.update()
+        bar.set_postfix_str(steps[1])
+        model = build_model(model_config, max_seq_len, {k: c.name for k, c in plugins.items()}, target, dtype)
+        if load_format == "auto":
+            architecture_for(model_config).load_checkpoint(model, checkpoint)
+        bar.update()
+        bar.set_postfix_str(steps[2])
+        manifest = EngineManifest(
+            model=model_config, build_config=build, device=DeviceSignature.of(target), plugins=plugins,
+            dtype=dtype_name, max_seq_len=max_seq_len, load_format=load_format, source=str(checkpoint),
+            versions=library_versions(),
+        )
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
+        try:
+            if load_format == "auto":  # dummy engines re-draw their random weights at load
+                save_model(model, str(staging / WEIGHTS_NAME))
+            copy_tokenizer_files(checkpoint, staging)
+            manifest.build_seconds = round(time.perf_counter() - started, 2)
+            write_manifest(staging, manifest)
+            if output_dir.exists():
+                shutil.rmtree(output_dir)
+            staging.rename(output_dir)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        bar.update()
+    log.info("built %s for %s in %.1f s -> %s", model_config.name, manifest.device.describe(), manifest.build_seconds, output_dir)
+    return manifest
+
+
+def engine_cache_key(checkpoint: Path, build: BuildConfig, device: str, load_format: str) -> str:
+    """Short hash of what an engine depends on: the checkpoint, the build, the device."""
+    target = resolve_device(device)
+    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in checkpoint.iterdir() if p.is_file())
+    payload = json.dumps(
+        [str(checkpoint.resolve()), files, build.to_dict(), DeviceSignature.of(target).describe(), load_format,
+         torch.__version__], sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_cached(
+    checkpoint: Path, build: BuildConfig, cache_root: Path, device: str = "auto", load_format: str = "auto",
+    progress: bool = True,
+) -> Path:
+    """The engine folder for ``checkpoint``, built on the first call and reused after."""
+    key = engine_cache_key(checkpoint, build, device, load_format)
+    engine_dir = cache_root / "engines" / f"{checkpoint.name}-{key}"
+    if is_engine_dir(engine_dir):
+        log.info("using cached engine %s", engine_dir)
+        return engine_dir
+    log.info("building an engine for %s (cached at %s)", checkpoint, engine_dir)
+    build_engine(checkpoint, engine_dir, build, device, load_format, progress)
+    return engine_dir
+

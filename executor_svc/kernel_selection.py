@@ -1,0 +1,147 @@
+"""Choosing an implementation per layer kind at build time (TensorRT's tactic selection).
+
+For each kind the builder asks for "auto" or a name. "auto" times every
+registered candidate that supports the target device and dtype on inputs
+shaped like the model's, on the target device, and keeps the fastest; the
+timings go into the engine manifest so the choice can be read back and
+reproduced. A named kernel that cannot run is a build error, or with
+``allow_fallback`` a loud warning and the reference implementation, recorded
+as a fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from executor_svc.build_config import PLUGIN_KINDS, BuildConfig
+from executor_svc.engine_file import PluginChoice
+from executor_svc.model.config import ModelConfig
+from plugins.attention_metadata import AttentionMetadata
+from plugins.registry import KernelSpec, list_kernels
+
+log = logging.getLogger("inflight.build")
+
+REFERENCE = "torch"
+BenchArgs = Callable[[], tuple]
+
+BENCHMARKS = {
+    "rmsnorm": "x[{tokens}, hidden] + residual",
+    "rope": "q, k of {tokens} tokens",
+    "activation": "[{tokens}, 2 x intermediate]",
+    "gemm": "qkv projection, {tokens} tokens",
+    "attention": "generation step, 16 requests x 512 cached tokens",
+}
+
+
+class PluginUnavailableError(RuntimeError):
+    """A requested plugin cannot run on the build target."""
+
+
+def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> BenchArgs:
+    """Arguments shaped like one of the model's layers, for timing ``kind``."""
+    tokens = min(build.max_num_tokens, 256)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    hidden, heads, kv_heads, dim = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
+    if kind == "rmsnorm":
+        x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+        return lambda: (x, weight, model.rms_norm_eps, residual)
+    if kind == "rope":
+        q, k = randn(tokens, heads, dim), randn(tokens, kv_heads, dim)
+        cos, sin = randn(4096, dim), randn(4096, dim)
+        positions = torch.arange(tokens, device=device)
+        return lambda: (q, k, cos, sin, positions)
+    if kind == "activation":
+        x = randn(tokens, 2 * model.intermediate_size)
+        return lambda: (x,)
+    if kind == "gemm":
+        x, w = randn(tokens, hidden), randn(heads * dim + 2 * kv_heads * dim, hidden)
+        return lambda: (x, w)
+    if kind == "attention":
+        return _attention_inputs(build, heads, kv_heads, dim, randn, device)
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def _attention_inputs(build: BuildConfig, heads: int, kv_heads: int, dim: int, randn, device: torch.device) -> BenchArgs:
+    """A generation step: min(max_batch_size, 16) requests with 512 cached tokens each."""
+    block, batch, context = build.tokens_per_block, min(build.max_batch_size, 16), 512
+    blocks_per_request = -(-context // block)
+    k_cache = randn(batch * blocks_per_request, block, kv_heads, dim)
+    v_cache = randn(batch * blocks_per_request, block, kv_heads, dim)
+    tables = torch.arange(batch * blocks_per_request, device=device).view(batch, blocks_per_request)
+    lens = torch.full((batch,), context, device=device)
+    meta = AttentionMetadata(
+        query_start=list(range(batch + 1)), context_lens=[context] * batch, block_tables=tables, context_lens_t=lens,
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
+        single_query_rows=torch.arange(batch, device=device), single_query_tokens=torch.arange(batch, device=device),
+        multi_query_rows=[],
+    )
+    q = randn(batch, heads, dim)
+    return lambda: (q, k_cache, v_cache, meta, dim**-0.5)
+
+
+def time_kernel(fn: Callable, args: BenchArgs, device: torch.device, repeats: int = 7) -> float:
+    """Median wall time of one call, in microseconds (after two warm-up calls)."""
+    call_args = args()
+    samples = []
+    for i in range(repeats + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn(*call_args)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 2:
+            samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def choose(
+    kind: str, requested: str, candidates: list[KernelSpec], device: torch.device, dtype: torch.dtype,
+    args: BenchArgs, allow_fallback: bool,
+) -> PluginChoice:
+    """Pick one of ``candidates`` (all registered kernels of ``kind``) for the target."""
+    runnable = [c for c in candidates if c.supports(device, dtype)]
+    if requested != "auto":
+        spec = next((c for c in candidates if c.name == requested), None)
+        if spec is not None and spec.supports(device, dtype):
+            return PluginChoice(name=spec.name, requested=requested, timings_us={spec.name: time_kernel(spec.fn, args, device)})
+        why = (
+            f"no {kind} plugin named {requested!r} (registered: {sorted(c.name for c in candidates)})"
+            if spec is None
+            else f"{kind} plugin {requested!r} cannot run on {device.type} with {dtype} "
+            f"(it supports {sorted(spec.device_types)}, {sorted(map(str, spec.dtypes))})"
+        )
+        if not allow_fallback:
+            raise PluginUnavailableError(f"{why}; choose another, use 'auto', or pass --allow-fallback")
+        log.warning("FALLBACK: %s; using the %r reference implementation instead", why, REFERENCE)
+        reference = next(c for c in runnable if c.name == REFERENCE)
+        return PluginChoice(
+            name=REFERENCE, requested=requested, fallback=True, note=why,
+            timings_us={REFERENCE: time_kernel(reference.fn, args, device)},
+        )
+    if not runnable:
+        raise PluginUnavailableError(f"no {kind} plugin can run on {device.type} with {dtype}")
+    timings = {c.name: time_kernel(c.fn, args, device) for c in runnable}
+    best = min(timings, key=timings.__getitem__)
+    return PluginChoice(name=best, requested="auto", timings_us=timings)
+
+
+def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> dict[str, PluginChoice]:
+    registered = list_kernels()
+    choices = {}
+    for kind in PLUGIN_KINDS:
+        candidates = [spec for spec in registered if spec.kind == kind]
+        args = benchmark_inputs(kind, model, build, device, dtype)
+        choices[kind] = choose(kind, build.plugin_for(kind), candidates, device, dtype, args, build.allow_fallback)
+        choices[kind].benchmark = BENCHMARKS[kind].format(tokens=min(build.max_num_tokens, 256))
+        log.info("%s: %s (%s)", kind, choices[kind].name, ", ".join(f"{n} {t:.0f} us" for n, t in choices[kind].timings_us.items()))
+    return choices

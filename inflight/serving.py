@@ -1,0 +1,80 @@
+"""``inflight serve``, ``inflight scheduler`` and ``inflight executor``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from executor_svc.engine_file import is_engine_dir
+from inflight.engines import build_config_from_args, prepare_engine
+
+log = logging.getLogger("inflight")
+
+
+def run_executor(args: argparse.Namespace) -> None:
+    from executor_svc.engine import RuntimeConfig, load_engine
+    from executor_svc.service import serve_executor
+
+    engine_dir = prepare_engine(args.model, build_config_from_args(args), args.device, args.load_format)
+    runtime = RuntimeConfig(
+        device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction
+    )
+    engine = load_engine(engine_dir, runtime)
+    server = serve_executor(engine, f"{args.host}:{args.port}")
+    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
+    server.wait_for_termination()
+
+
+async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_address: str) -> None:
+    from inflight.model_store import resolve_model
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.executor_client import GrpcExecutorConnection
+    from scheduler_svc.service import start_scheduler_server
+    from scheduler_svc.tokenizer import Tokenizer
+
+    path = Path(model_dir).expanduser()
+    tokenizer = Tokenizer(path if is_engine_dir(path) else resolve_model(model_dir))
+    limits = EngineLimits(
+        max_batch_size=getattr(args, "max_batch_size", 0), max_num_tokens=getattr(args, "max_num_tokens", 0),
+        max_seq_len=getattr(args, "max_seq_len", 0), max_queue_size=args.max_queue_size,
+    )
+    engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
+    await engine.start()
+    server = await start_scheduler_server(engine, f"{args.host}:{args.port}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop()
+    await engine.stop()
+
+
+def run_scheduler(args: argparse.Namespace) -> None:
+    asyncio.run(_run_scheduler(args, args.model, args.executor))
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """The executor as a child process on loopback, the scheduler in this one."""
+    # Build (or find) the engine here, once, so both processes use the same folder.
+    engine_dir = prepare_engine(args.model, build_config_from_args(args), args.device, args.load_format)
+    executor_cmd = [
+        sys.executable, "-m", "inflight", "--log-level", args.log_level, "executor", "--model", str(engine_dir),
+        "--host", "127.0.0.1", "--port", str(args.executor_port), "--device", args.device,
+        "--kv-cache-gb", str(args.kv_cache_gb), "--kv-cache-fraction", str(args.kv_cache_fraction),
+    ]
+    child = subprocess.Popen(executor_cmd)
+    try:
+        asyncio.run(_run_scheduler(args, str(engine_dir), f"127.0.0.1:{args.executor_port}"))
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
