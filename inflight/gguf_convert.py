@@ -164,8 +164,107 @@ def _llama_fix(hf_name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
     return w
 
 
+# -------------------------------------------------------------------- gemma3
+
+_GEMMA3_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+
+
+def _gemma3_layer_types(meta: _Meta, layers: int) -> list[str]:
+    # llama.cpp's default for Gemma-3: every 6th layer is global (HF's sliding_window_pattern).
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # newer files: one flag per layer, True = sliding window
+        return ["sliding_attention" if p else "full_attention" for p in pattern]
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def _gemma3_config(meta: _Meta, tensor_names: set[str]) -> dict[str, Any]:
+    a = "gemma3"
+    hidden = int(meta.get(f"{a}.embedding_length"))
+    heads = int(meta.get(f"{a}.attention.head_count"))
+    layers = int(meta.get(f"{a}.block_count"))
+    head_dim = int(meta.get(f"{a}.attention.key_length"))
+    if int(meta.get(f"{a}.attention.value_length", head_dim)) != head_dim:
+        raise ValueError("Gemma-3 GGUF with key_length != value_length is not supported")
+    vocab = meta.get(f"{a}.vocab_size", None) or len(meta.get("tokenizer.ggml.tokens"))
+    # The GGUF stores the global layers' theta; the local one is fixed in llama.cpp (and HF's default).
+    full_rope = {"rope_type": "default", "rope_theta": float(meta.get(f"{a}.rope.freq_base", 1_000_000.0))}
+    local_rope = {"rope_type": "default", "rope_theta": 10_000.0}
+    scaling = meta.get(f"{a}.rope.scaling.type", "none")
+    if scaling == "linear":  # Gemma-3 4B and larger: global layers only
+        full_rope = {**full_rope, "rope_type": "linear", "factor": float(meta.get(f"{a}.rope.scaling.factor"))}
+    elif scaling not in ("none", None):
+        raise ValueError(f"GGUF uses RoPE scaling {scaling!r}, which the converter does not support yet")
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": hidden, "intermediate_size": int(meta.get(f"{a}.feed_forward_length")),
+        "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
+        "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(meta.get(f"{a}.attention.layer_norm_rms_epsilon")),
+        # transformers 5 reads rope_parameters per layer type; the flat keys are for other readers.
+        "rope_theta": full_rope["rope_theta"], "rope_local_base_freq": local_rope["rope_theta"],
+        "rope_parameters": {"full_attention": full_rope, "sliding_attention": local_rope},
+        "sliding_window": int(meta.get(f"{a}.attention.sliding_window")),
+        "layer_types": _gemma3_layer_types(meta, layers),
+        # llama.cpp scales attention by 1/sqrt(head_dim), except 27B (62 layers): 1/sqrt(hidden/heads).
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "attn_logit_softcapping": meta.get(f"{a}.attn_logit_softcapping", None),
+        "final_logit_softcapping": meta.get(f"{a}.final_logit_softcapping", None),
+        "max_position_embeddings": int(meta.get(f"{a}.context_length")),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": False, "use_bidirectional_attention": False,
+        **_special_token_ids(meta), "torch_dtype": "float32",
+    }
+
+
+def _gemma3_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    h, hd, ff = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+            p + "mlp.down_proj.weight": (h, ff),
+        })
+    return shapes
+
+
+def _gemma3_fix(hf_name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    # llama.cpp stores Gemma's zero-centred norm weights (the model scales by 1 + w) with
+    # the 1 added; take it back off, in float32, exactly as transformers' GGUF loader does.
+    # q/k are not permuted for Gemma (llama.cpp runs it with NeoX RoPE).
+    return w - np.float32(1.0) if hf_name.endswith("norm.weight") else w
+
+
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": ArchSpec(_LLAMA_TENSORS, _llama_config, _llama_shapes, _llama_fix),
+    "gemma3": ArchSpec(_GEMMA3_TENSORS, _gemma3_config, _gemma3_shapes, _gemma3_fix),
 }
 
 # ------------------------------------------------------------------- driver

