@@ -10,6 +10,7 @@ from plugins import activation_torch as _activation_torch  # noqa: F401,E402
 from plugins import attention_torch as _attention_torch  # noqa: F401,E402
 from plugins import gemm_torch as _gemm_torch  # noqa: F401,E402
 from plugins import norm_torch as _norm_torch  # noqa: F401,E402
+from plugins import norm_triton as _norm_triton  # noqa: F401,E402
 from plugins import rope_torch as _rope_torch  # noqa: F401,E402
 
 __all__ = ["KernelSpec", "get_kernel", "list_kernels", "register_kernel"]

@@ -12,10 +12,16 @@ import asyncio
 import os
 from pathlib import Path
 
-import pytest
 import torch
 
-from inflight.model_store import DEFAULT_MODEL, resolve_model
+# Without a GPU, Triton kernels run through Triton's interpreter (set before any
+# kernel module is imported, since @triton.jit reads it when it decorates).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from inflight.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 
 TEST_DEVICE = os.environ.get("INFLIGHT_TEST_DEVICE", "cpu")
 TEST_MODEL = os.environ.get("INFLIGHT_TEST_MODEL", DEFAULT_MODEL)
