@@ -102,6 +102,8 @@ class ModelRunner:
             self.requests.pop(request_id, None)
 
         result = StepResult(step_id=plan.step_id, request_errors=errors)
+        # Context work (several tokens) is packed before generation work (one token).
+        scheduled.sort(key=lambda item: item[2] == 1)
         if scheduled:
             try:
                 self._run(scheduled, result)
