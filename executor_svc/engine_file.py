@@ -99,8 +99,11 @@ class EngineManifest:
     @classmethod
     def from_json(cls, text: str) -> EngineManifest:
         data: dict[str, Any] = json.loads(text)
+        model = dict(data["model"])
+        if model.get("layer_types") is not None:  # JSON has no tuples
+            model["layer_types"] = tuple(model["layer_types"])
         return cls(
-            model=ModelConfig(**data["model"]), build_config=BuildConfig.from_dict(data["build_config"]),
+            model=ModelConfig(**model), build_config=BuildConfig.from_dict(data["build_config"]),
             device=DeviceSignature(**data["device"]),
             plugins={k: PluginChoice(**v) for k, v in data["plugins"].items()},
             dtype=data["dtype"], max_seq_len=data["max_seq_len"], load_format=data.get("load_format", "auto"),

@@ -17,8 +17,9 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``x + residual`` (returned as the new residual), then RMS-normalised.
 
-    The arithmetic is Hugging Face's: normalise in float32, cast back, then
-    multiply by the weight in the model's dtype.
+    The arithmetic is Hugging Face's: normalise in float32; Llama then casts
+    back and multiplies by the weight in the model's dtype, while Gemma
+    (``weight_offset`` 1) multiplies by ``1 + weight`` in float32 and casts last.
     """
     if residual is not None:
         x = x + residual
@@ -26,5 +27,6 @@ def rms_norm(
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    scale = weight if weight_offset == 0.0 else weight + weight_offset
-    return scale * x32.to(dtype), residual
+    if weight_offset == 0.0:
+        return weight * x32.to(dtype), residual
+    return (x32 * (weight.float() + weight_offset)).to(dtype), residual

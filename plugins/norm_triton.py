@@ -25,7 +25,7 @@ if triton is not None:
     def _rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         n_cols, x_stride, residual_stride, eps, weight_offset,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -36,9 +36,12 @@ if triton is not None:
             tl.store(residual_out_ptr + row * n_cols + cols, x, mask=mask)
         x32 = x.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
-        normed = (x32 * inv_rms).to(x.dtype)  # cast back before the weight, as the reference does
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * n_cols + cols, (weight + weight_offset) * normed, mask=mask)
+        if HAS_OFFSET:  # Gemma: scale by (offset + weight) in float32, cast last
+            out = (x32 * inv_rms * (weight.to(tl.float32) + weight_offset)).to(x.dtype)
+        else:  # Llama: cast back before the weight, as the reference does
+            out = weight * (x32 * inv_rms).to(x.dtype)
+        tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
 
     @register_kernel(
         "rmsnorm", "triton", device_types=frozenset({"cuda"}),
@@ -62,6 +65,6 @@ if triton is not None:
         _rms_norm_kernel[(tokens,)](
             x, residual if residual is not None else x, weight, out, residual_out if residual_out is not None else out,
             hidden, x.stride(0), residual.stride(0) if residual is not None else 0, eps, weight_offset,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+            HAS_RESIDUAL=residual is not None, HAS_OFFSET=weight_offset != 0.0, BLOCK=block, num_warps=4 if block <= 4096 else 8,
         )
         return out, residual_out

@@ -39,6 +39,18 @@ def test_rms_norm_matches_transformers():
     assert torch.equal(out, hf(x + residual))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_rms_norm_matches_transformers(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    x = torch.randn(5, 64).to(dtype)
+    hf = Gemma3RMSNorm(64, eps=1e-6)
+    hf.weight.data = torch.randn(64) * 0.1
+    out, _ = rms_norm(x, hf.weight.data.to(dtype), 1e-6, weight_offset=1.0)
+    expected = hf.to(dtype)(x)  # a bf16 model holds bf16 norm weights
+    assert torch.equal(out, expected)
+
+
 def test_neox_rope_matches_transformers():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from executor_svc.model.config import ModelConfig
+from executor_svc.model.gemma3 import Gemma3ForCausalLM, load_gemma3_weights
 from executor_svc.model.llama import LlamaForCausalLM
 from executor_svc.model.weights import load_hf_weights
 from plugins.kernels import Kernels
@@ -25,6 +26,7 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture(LlamaForCausalLM, load_hf_weights),
     "MistralForCausalLM": Architecture(LlamaForCausalLM, load_hf_weights),
+    "Gemma3ForCausalLM": Architecture(Gemma3ForCausalLM, load_gemma3_weights),
 }
 
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from executor_svc.model.llama import LlamaForCausalLM
+from torch import nn
 
 
 def _checkpoint_tensors(folder: Path) -> dict[str, Path]:
@@ -60,13 +61,20 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
             layer.down_proj.weight.copy_(get(prefix + "mlp.down_proj.weight"))
 
 
-def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
-    """Random weights of the right scale, for benchmarks where only shapes matter."""
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right scale, for benchmarks where only shapes matter.
+
+    Norms get the weight that makes them scale by one (1, or 0 for Gemma's
+    zero-centred ``1 + weight`` norms), so activations stay in range.
+    """
+    from executor_svc.model.llama import RMSNorm
+
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
-                param.fill_(1.0)
+        norm_weights = {id(m.weight): 1.0 - m.weight_offset for m in model.modules() if isinstance(m, RMSNorm)}
+        for param in model.parameters():
+            if id(param) in norm_weights:
+                param.fill_(norm_weights[id(param)])
             else:
                 fan_in = param.shape[-1]
                 values = torch.randn(param.shape, generator=generator) * fan_in**-0.5
