@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from executor_svc.build_config import PLUGIN_KINDS
-from executor_svc.engine_file import EngineManifest, is_engine_dir, read_manifest
+from executor_svc.engine_file import EngineManifest, EngineMismatchError, is_engine_dir, read_manifest
 
 
 def run_build(args: argparse.Namespace) -> int:
@@ -40,7 +40,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.plugins:
         print(format_plugins())
     if args.engine_dir is not None:
-        manifest = read_manifest(Path(args.engine_dir))
+        try:
+            manifest = read_manifest(Path(args.engine_dir))
+        except (FileNotFoundError, EngineMismatchError) as exc:
+            print(f"inflight inspect: {exc}", file=sys.stderr)
+            return 2
         print(format_summary(manifest, Path(args.engine_dir)))
         if args.layer_info:
             print(format_layer_info(manifest))
@@ -63,29 +67,47 @@ def format_summary(manifest: EngineManifest, engine_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _layer_rows(manifest: EngineManifest) -> list[tuple[str, str]]:
-    """(layer name, kind) for every layer the model runs, in execution order."""
-    rows = [("embed_tokens", "")]
-    for i in range(manifest.model.num_layers):
-        p = f"layers.{i}."
-        rows += [
-            (p + "input_layernorm", "rmsnorm"), (p + "qkv_proj", "gemm"), (p + "rotary", "rope"),
-            (p + "attention", "attention"), (p + "o_proj", "gemm"), (p + "post_attention_layernorm", "rmsnorm"),
-            (p + "gate_up_proj", "gemm"), (p + "act_and_mul", "activation"), (p + "down_proj", "gemm"),
-        ]
-    rows += [("norm", "rmsnorm"), ("lm_head", "gemm")]
+def _layer_rows(manifest: EngineManifest) -> list[tuple[str, str, str]]:
+    """(layer name, kind, note) for every layer of the engine's model.
+
+    The model is instantiated on the meta device (no memory, no weights) and
+    walked, so every architecture reports its own structure.
+    """
+    from torch import nn
+
+    from executor_svc.model.llama import Linear, RMSNorm
+    from executor_svc.model.registry import architecture_for
+    from plugins.kernels import Kernels
+
+    kernels = Kernels.reference(torch.device("cpu"), torch.float32)  # handles only; nothing runs
+    with torch.device("meta"):
+        model = architecture_for(manifest.model).model_class(manifest.model, max_positions=8, kernels=kernels)
+    rows: list[tuple[str, str, str]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            rows.append((name, "", ""))
+        elif isinstance(module, RMSNorm):
+            rows.append((name, "rmsnorm", "1 + weight" if module.weight_offset else ""))
+        elif isinstance(module, Linear):
+            rows.append((name, "gemm", "x".join(map(str, module.weight.shape))))
+        elif hasattr(module, "qkv_proj"):  # a decoder layer: its function-valued kinds
+            window = getattr(module, "sliding_window", 0)
+            rows.append((f"{name}.rope", "rope", ""))
+            rows.append((f"{name}.attention", "attention", f"sliding window {window}" if window else ""))
+            rows.append((f"{name}.act_and_mul", "activation", ""))
     return rows
 
 
 def format_layer_info(manifest: EngineManifest) -> str:
     lines = ["", "layers"]
-    for layer, kind in _layer_rows(manifest):
+    for layer, kind, note in _layer_rows(manifest):
         if not kind:
-            lines.append(f"  {layer:<36} [Embedding] torch ({manifest.dtype})")
+            lines.append(f"  {layer:<40} [Embedding] torch ({manifest.dtype})")
             continue
         choice = manifest.plugins[kind]
         fallback = f", FALLBACK from {choice.requested}" if choice.fallback else ""
-        lines.append(f"  {layer:<36} [Plugin] {kind} ({choice.name}, {manifest.dtype}{fallback})")
+        extra = f", {note}" if note else ""
+        lines.append(f"  {layer:<40} [Plugin] {kind} ({choice.name}, {manifest.dtype}{extra}{fallback})")
     lines += ["", f"kernel selection on {manifest.device.describe()} (median of 7 timed calls)"]
     for kind, choice in manifest.plugins.items():
         timings = ", ".join(f"{name} {us:.1f} us" for name, us in sorted(choice.timings_us.items(), key=lambda kv: kv[1]))
