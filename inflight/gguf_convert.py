@@ -126,7 +126,9 @@ def _llama_config(meta: _Meta, tensor_names: set[str]) -> dict[str, Any]:
     }
 
 
-def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def _decoder_shapes(cfg: dict[str, Any], extra_layer_norms: dict[str, int] | None = None) -> dict[str, tuple[int, ...]]:
+    """HF tensor shapes of a decoder-only checkpoint; ``extra_layer_norms`` maps more
+    per-layer norm names to their size."""
     h, hd, ff = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
@@ -141,7 +143,12 @@ def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
             p + "mlp.down_proj.weight": (h, ff),
         })
+        shapes.update({p + name: (size,) for name, size in (extra_layer_norms or {}).items()})
     return shapes
+
+
+def _llama_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    return _decoder_shapes(cfg)
 
 
 def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -236,23 +243,11 @@ def _gemma3_config(meta: _Meta, tensor_names: set[str]) -> dict[str, Any]:
 
 
 def _gemma3_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    h, hd, ff = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "pre_feedforward_layernorm.weight": (h,), p + "post_feedforward_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-            p + "mlp.down_proj.weight": (h, ff),
-        })
-    return shapes
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    return _decoder_shapes(cfg, {
+        "pre_feedforward_layernorm.weight": h, "post_feedforward_layernorm.weight": h,
+        "self_attn.q_norm.weight": hd, "self_attn.k_norm.weight": hd,
+    })
 
 
 def _gemma3_fix(hf_name: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:

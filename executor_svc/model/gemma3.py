@@ -19,12 +19,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.llama import Linear, RMSNorm, RotaryEmbedding
-from executor_svc.model.weights import _checkpoint_tensors
+from executor_svc.model.weights import load_decoder_weights
 from plugins.attention_metadata import AttentionMetadata
 from plugins.attention_torch import write_kv
 from plugins.kernels import Kernels
@@ -132,35 +131,14 @@ class Gemma3ForCausalLM(nn.Module):
         return logits.float()
 
 
+GEMMA3_LAYER_NORMS = {
+    name: name for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+} | {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
+
+
 def load_gemma3_weights(model: Gemma3ForCausalLM, folder: Path) -> None:
     """Copy a Hugging Face Gemma-3 checkpoint into ``model``, fusing q/k/v and gate/up.
 
     Norm weights are copied as stored (zero-centred); the model adds the 1.
     """
-    index = _checkpoint_tensors(folder)
-    handles: dict[Path, object] = {}
-
-    def get(name: str) -> torch.Tensor:
-        file = index.get(name)
-        if file is None:
-            raise KeyError(f"{folder}: checkpoint has no tensor {name!r}")
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        return handles[file].get_tensor(name)  # type: ignore[attr-defined]
-
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
-        model.norm.weight.copy_(get("model.norm.weight"))
-        if not model.config.tie_word_embeddings:  # tied: the model already shares one tensor
-            model.lm_head.weight.copy_(get("lm_head.weight"))
-        for i, layer in enumerate(model.layers):
-            prefix = f"model.layers.{i}."
-            for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                         "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-                layer.get_submodule(norm.removeprefix("self_attn.")).weight.copy_(get(prefix + norm + ".weight"))
-            layer.qkv_proj.weight.copy_(torch.cat([get(prefix + f"self_attn.{p}_proj.weight") for p in "qkv"], dim=0))
-            layer.o_proj.weight.copy_(get(prefix + "self_attn.o_proj.weight"))
-            layer.gate_up_proj.weight.copy_(
-                torch.cat([get(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up")], dim=0)
-            )
-            layer.down_proj.weight.copy_(get(prefix + "mlp.down_proj.weight"))
+    load_decoder_weights(model, folder, GEMMA3_LAYER_NORMS)

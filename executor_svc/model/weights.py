@@ -29,8 +29,15 @@ def _checkpoint_tensors(folder: Path) -> dict[str, Path]:
     return index
 
 
-def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
-    """Copy a checkpoint's tensors into ``model`` (converting to its dtype)."""
+LLAMA_LAYER_NORMS = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
+
+
+def load_decoder_weights(model: nn.Module, folder: Path, layer_norms: dict[str, str]) -> None:
+    """Copy a decoder-only checkpoint into ``model``, fusing q/k/v and gate/up.
+
+    ``layer_norms`` maps each layer's norm submodule to its checkpoint name
+    (the part after ``model.layers.N.``); norms are copied as stored.
+    """
     index = _checkpoint_tensors(folder)
     handles: dict[Path, object] = {}
 
@@ -49,8 +56,8 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
             model.lm_head.weight.copy_(get("lm_head.weight"))
         for i, layer in enumerate(model.layers):
             prefix = f"model.layers.{i}."
-            layer.input_layernorm.weight.copy_(get(prefix + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(get(prefix + "post_attention_layernorm.weight"))
+            for module_name, checkpoint_name in layer_norms.items():
+                layer.get_submodule(module_name).weight.copy_(get(prefix + checkpoint_name + ".weight"))
             layer.qkv_proj.weight.copy_(
                 torch.cat([get(prefix + f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")], dim=0)
             )
@@ -59,6 +66,11 @@ def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
                 torch.cat([get(prefix + f"mlp.{p}_proj.weight") for p in ("gate", "up")], dim=0)
             )
             layer.down_proj.weight.copy_(get(prefix + "mlp.down_proj.weight"))
+
+
+def load_hf_weights(model: LlamaForCausalLM, folder: Path) -> None:
+    """Copy a Llama-family checkpoint's tensors into ``model`` (converting to its dtype)."""
+    load_decoder_weights(model, folder, LLAMA_LAYER_NORMS)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
