@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,9 @@ class AttentionMetadata:
     single_query_rows: torch.Tensor  # [num_single] int64, request indices
     single_query_tokens: torch.Tensor  # [num_single] int64, their token indices
     multi_query_rows: list[int]  # request indices with more than one query token
+    # Tensors derived from the above that every layer needs (masks, gathered
+    # tables), computed by the first layer that asks: the same for the whole step.
+    derived: dict = field(default_factory=dict)
 
     @property
     def num_requests(self) -> int:

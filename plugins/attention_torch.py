@@ -38,42 +38,54 @@ def paged_attention(
     sliding_window: int = 0,  # > 0: a query sees only the last `sliding_window` positions
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     out = torch.empty_like(q)
-    tokens_per_block = k_cache.shape[1]
     if meta.single_query_rows.numel():
-        rows = meta.single_query_rows
-        token_idx = meta.single_query_tokens
-        tables = meta.block_tables.index_select(0, rows)  # [B, max_blocks]
-        lens = meta.context_lens_t.index_select(0, rows)  # [B]
-        batch, max_blocks = tables.shape
-        k = k_cache[tables].flatten(1, 2)  # [B, max_blocks * tokens_per_block, kv_heads, D]
-        v = v_cache[tables].flatten(1, 2)
-        key_pos = torch.arange(max_blocks * tokens_per_block, device=q.device)[None, :]
-        valid = key_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
-        if sliding_window > 0:
-            valid &= key_pos > lens[:, None] - 1 - sliding_window
+        tables, token_idx, valid = _single_query_layout(meta, k_cache.shape[1], sliding_window)
+        batch = tables.shape[0]
+        # Gather each request's blocks: [B, max_blocks * tokens_per_block, kv_heads, D].
+        k = k_cache.index_select(0, tables.flatten()).view(batch, -1, *k_cache.shape[2:])
+        v = v_cache.index_select(0, tables.flatten()).view(batch, -1, *v_cache.shape[2:])
         qb = q.index_select(0, token_idx)[:, :, None, :]  # [B, heads, 1, D]
         ob = F.scaled_dot_product_attention(
             qb, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+            attn_mask=valid, scale=scale, enable_gqa=True,
         )
         out.index_copy_(0, token_idx, ob[:, :, 0, :])
     for row in meta.multi_query_rows:
         start, end = meta.query_start[row], meta.query_start[row + 1]
-        ctx = meta.context_lens[row]
-        num_blocks = -(-ctx // tokens_per_block)
-        table = meta.block_tables[row, :num_blocks]
-        k = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)  # [kv_heads, ctx, D]
-        v = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)
-        q_len = end - start
-        # Query i sits at position ctx - q_len + i and sees keys up to it.
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        key_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = key_pos <= q_pos  # [q_len, ctx]
-        if sliding_window > 0:
-            mask &= key_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        out[start:end] = o.transpose(0, 1)
+        ctx, q_len = meta.context_lens[row], end - start
+        table = meta.block_tables[row, : -(-ctx // k_cache.shape[1])]
+        k = k_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
+        v = v_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+        qr = q[start:end].transpose(0, 1)[None]  # [1, heads, q_len, D]
+        if ctx == q_len and sliding_window <= 0:  # a whole prompt: plain causal attention
+            o = F.scaled_dot_product_attention(qr, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
+        else:  # a chunk after cached tokens (or a window): query i sits at ctx - q_len + i
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            key_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = key_pos <= q_pos  # [q_len, ctx]
+            if sliding_window > 0:
+                mask &= key_pos > q_pos - sliding_window
+            o = F.scaled_dot_product_attention(qr, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
+
+def _single_query_layout(
+    meta: AttentionMetadata, tokens_per_block: int, sliding_window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block tables, token indices and key mask of the single-token queries.
+
+    The same for every layer of a step, so it is computed once and kept on the
+    step's metadata (per sliding window, since Gemma's layers differ).
+    """
+    key = ("single_query", sliding_window)
+    if key not in meta.derived:
+        rows = meta.single_query_rows
+        tables = meta.block_tables.index_select(0, rows)  # [B, max_blocks]
+        lens = meta.context_lens_t.index_select(0, rows)  # [B]
+        key_pos = torch.arange(tables.shape[1] * tokens_per_block, device=tables.device)[None, :]
+        valid = key_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
+        if sliding_window > 0:
+            valid &= key_pos > lens[:, None] - 1 - sliding_window
+        meta.derived[key] = (tables, meta.single_query_tokens, valid[:, None, None, :])
+    return meta.derived[key]
