@@ -8,6 +8,7 @@ dataclasses pass between the two services without gRPC or protobuf.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from executor_svc.engine import Engine
 from executor_svc.runner import ModelRunner
@@ -19,6 +20,9 @@ class InProcessExecutor:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.runner = ModelRunner(engine)
+        # Every step on the same thread: each new thread that enters torch gets its own
+        # OpenMP team, and idle teams spinning on a small CPU slow the one computing.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-executor")
 
     async def info(self) -> ExecutorInfo:
         return executor_info(self.engine)
@@ -26,7 +30,8 @@ class InProcessExecutor:
     async def step(self, plan: StepPlan) -> StepResult:
         # In a worker thread: torch releases the GIL, so the event loop keeps
         # streaming and accepting requests while the model runs.
-        return await asyncio.to_thread(self.runner.execute, plan)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.runner.execute, plan)
 
     async def close(self) -> None:
         self.runner.reset()
+        self._thread.shutdown(wait=False)
