@@ -41,7 +41,7 @@ model: $(STAMP)
 	$(PY) -m inflight.model_store
 
 bench: install model
-	$(PY) bench/serving_cpu.py
+	$(PY) bench/serving.py --concurrency 1,16 --input-len 128 --output-len 128 --device cpu --plot --output bench/results/cpu_smollm2_128x128.json
 
 clean:
 	rm -rf $(VENV) protos/*_pb2*.py protos/*_pb2.pyi

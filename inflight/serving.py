@@ -25,9 +25,15 @@ def run_executor(args: argparse.Namespace) -> None:
         device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction
     )
     engine = load_engine(engine_dir, runtime)
-    server = serve_executor(engine, f"{args.host}:{args.port}")
-    signal.signal(signal.SIGTERM, lambda *_: server.stop(grace=2))
-    server.wait_for_termination()
+    server, runner = serve_executor(engine, f"{args.host}:{args.port}")
+
+    def shutdown(*_: object) -> None:
+        server.stop(grace=2)
+        runner.stop()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    runner.run_forever()  # the model runs on this, the main, thread
 
 
 async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_address: str) -> None:

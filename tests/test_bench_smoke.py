@@ -22,7 +22,7 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(REPO / "bench" / "serving.py"),
         "--concurrency", "1,2", "--input-len", "16", "--output-len", "4", "--device", "cpu",
-        "--warmup-tokens", "2", "--kv-cache-gb", "0.05", "--plot", "--output", str(out),
+        "--warmup-tokens", "2", "--wait-idle", "0", "--attempts", "1", "--kv-cache-gb", "0.05", "--plot", "--output", str(out),
         "--server-log", str(tmp_path / "server.log"),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
