@@ -29,6 +29,8 @@ VARIANTS = {
                       "original_max_position_embeddings": 64},
     )),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)),
+    # Mistral 7B v0.1 style: every layer attends to a sliding window (short here, so the prompt exceeds it).
+    "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=24, tie_word_embeddings=False)),
 }
 
 

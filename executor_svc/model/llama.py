@@ -78,6 +78,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, kernels)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, kernels)
         self.scale = config.head_dim**-0.5
+        # Mistral-style sliding window on every layer (0 = full attention).
+        self.sliding_window = config.sliding_window
         self.attention = kernels.attention
         self.act_and_mul = kernels.activation
 
@@ -100,7 +102,7 @@ class DecoderLayer(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(q, k, positions)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        attn = self.attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = self.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)), residual)
         return self.down_proj(self.act_and_mul(self.gate_up_proj(h), "silu")), residual
 
