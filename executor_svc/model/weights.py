@@ -1,4 +1,4 @@
-"""Load a Hugging Face checkpoint folder into the packed-token Llama model.
+"""Load a Hugging Face checkpoint folder into a packed-token decoder model.
 
 Hugging Face keeps q/k/v and gate/up as separate matrices; the model here
 wants them fused, so they are concatenated while loading, one tensor at a time
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from executor_svc.model.llama import LlamaForCausalLM
-from torch import nn
 
 
 def _checkpoint_tensors(folder: Path) -> dict[str, Path]:
