@@ -123,9 +123,10 @@ class ModelRunner:
         query_start = [0]
         context_lens: list[int] = []
         sample_rows: list[int] = []  # token index whose logits pick the next token
+        sampling_requests: list[tuple[str, RequestState]] = []  # the requests those rows belong to
         single_rows: list[int] = []
         multi_rows: list[int] = []
-        for row, (_, state, count) in enumerate(scheduled):
+        for row, (request_id, state, count) in enumerate(scheduled):
             start, end = state.num_computed_tokens, state.num_computed_tokens + count
             tokens.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
@@ -135,6 +136,7 @@ class ModelRunner:
             (single_rows if count == 1 else multi_rows).append(row)
             if end == len(state.token_ids):  # reached the last known token: sample the next
                 sample_rows.append(query_start[-1] - 1)
+                sampling_requests.append((request_id, state))
 
         device = self.device
         max_blocks = max(len(s.block_table) for _, s, _ in scheduled)
@@ -155,7 +157,6 @@ class ModelRunner:
         )
         logits = self.engine.model.compute_logits(hidden.index_select(0, _to_device(sample_rows, torch.int64, device)))
         sample_start = time.perf_counter()
-        sampling_requests = [(rid, s) for rid, s, c in scheduled if s.num_computed_tokens + c == len(s.token_ids)]
         sampled = self.sampler.sample(logits, [s.sampling for _, s in sampling_requests]) if sampling_requests else []
         done = time.perf_counter()
         result.forward_us = int((sample_start - forward_start) * 1e6)

@@ -95,8 +95,7 @@ class LLM:
             raise ValueError("give exactly one of model= or engine_dir=")
         name = str(engine_dir) if engine_dir is not None else str(model)
         self.engine_dir = prepare_engine(name, build_config or BuildConfig(), device, load_format)
-        runtime_device = "auto" if device == "auto" else device
-        self._engine = load_engine(self.engine_dir, RuntimeConfig(device=runtime_device, kv_cache_bytes=int(kv_cache_gb * 2**30)))
+        self._engine = load_engine(self.engine_dir, RuntimeConfig(device=device, kv_cache_bytes=int(kv_cache_gb * 2**30)))
         self.tokenizer = Tokenizer(self.engine_dir)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inflight-llm", daemon=True)

