@@ -201,20 +201,24 @@ class Sampler:
         return out
 
     def sample(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> list[int]:
-        """Return the chosen token id for each row (``states[i]`` owns row ``i``).
+        """The chosen token id for each row, on the host (the step's one device sync)."""
+        return self.sample_on_device(logits, states).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
+        """The chosen token id for each row (``states[i]`` owns row ``i``), as a device tensor.
 
         Greedy rows take the lowest-index argmax of the penalised logits (as HF
         ``generate`` does). Sampled rows draw with the exponential race
         ``argmax(probs / Exp(1))``, whose noise comes from the row's own generator, so a
         request's tokens depend only on its seed and its own logits, never on the batch.
-        The only host sync is the final ``.tolist()``.
+        Nothing here waits for the device.
         """
         logits = self.process_logits(logits, states)
         device = logits.device
         greedy = [i for i, s in enumerate(states) if s.config.is_greedy]
         sampled = [i for i, s in enumerate(states) if not s.config.is_greedy]
         if not sampled:
-            return logits.argmax(dim=-1).tolist()
+            return logits.argmax(dim=-1)
         chosen = torch.empty(len(states), dtype=torch.long, device=device)
         if greedy:
             rows = _to_device(greedy, torch.long, device)
@@ -238,6 +242,6 @@ class Sampler:
         # A zero draw would turn a filtered (prob 0) token into 0/0 = NaN, which argmax picks.
         picks = (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
         if rows is None:
-            return picks.tolist()
+            return picks
         chosen[rows] = picks
-        return chosen.tolist()
+        return chosen

@@ -1,0 +1,66 @@
+"""Model shapes for benchmarks with random weights (``--load-format dummy``).
+
+No machine here reaches a model hub, so a shape is a Hugging Face folder with
+only a ``config.json`` (the published config of the model) and the default
+model's tokenizer, which is enough to build an engine with random weights of
+that shape. The tokenizer only matters for text; the benchmarks send token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SHAPES: dict[str, dict] = {
+    # meta-llama/Llama-3.1-8B-Instruct config.json
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    },
+    # meta-llama/Llama-3.2-1B config.json (a draft-sized member of the same family)
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+        "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+    },
+}
+
+
+def shape_folder(name: str, root: Path) -> Path:
+    """A config-only Hugging Face folder of shape ``name`` under ``root`` (made once)."""
+    from inflight.model_store import resolve_model
+
+    if name not in SHAPES:
+        raise KeyError(f"unknown shape {name!r}; known: {sorted(SHAPES)}")
+    folder = root / f"shape-{name}"
+    if not (folder / "config.json").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer_source = resolve_model("smollm2-135m-instruct", progress=False)
+        for path in tokenizer_source.iterdir():
+            if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+                (folder / path.name).write_bytes(path.read_bytes())
+        (folder / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return folder
+
+
+def weight_bytes(config: dict, bytes_per_param: int = 2) -> int:
+    """Bytes one decode step reads from the weights (every matrix but the embedding table)."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h + 2 * h  # qkv, o, gate+up, down, norms
+    return (layers * per_layer + h + h * config["vocab_size"]) * bytes_per_param  # + final norm, lm_head
+
+
+def kv_bytes_per_token(config: dict, bytes_per_value: int = 2) -> int:
+    d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * d * bytes_per_value

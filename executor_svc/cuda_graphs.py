@@ -1,0 +1,173 @@
+"""CUDA graphs for generation steps.
+
+A generation step (every request computes one token) launches the same
+kernels every time; on a fast GPU the launches, not the arithmetic, would set
+the pace at small batches. So at engine load the model's forward plus the LM
+head is captured once per (batch-size bucket, block-table width bucket) into
+CUDA graphs that share one memory pool, and a step replays the smallest graph
+that fits: its inputs are copied into static buffers, the padding rows point at
+a scratch KV block that no request owns, and the logits of the real rows are
+read back. Context steps (and anything that does not fit a graph) run eagerly.
+
+Graphs are keyed by the block-table width too, because attention's work (and
+the split count of the decode kernel) follows the table's width: one graph for
+the longest sequence would make every short step pay for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from plugins.attention_metadata import AttentionMetadata
+
+log = logging.getLogger("inflight.executor")
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, then every 32 (vLLM's spacing, coarser at the top)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, max_batch_size + 1, 32))
+    sizes = sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
+    return sizes
+
+
+def width_buckets(max_blocks_per_seq: int, smallest: int = 8) -> list[int]:
+    """Block-table widths: powers of two from ``smallest`` up to (and including) the maximum."""
+    widths, width = [], min(smallest, max_blocks_per_seq)
+    while width < max_blocks_per_seq:
+        widths.append(width)
+        width *= 2
+    return widths + [max_blocks_per_seq]
+
+
+def _bucket(sizes: list[int], need: int) -> int | None:
+    return next((s for s in sizes if s >= need), None)
+
+
+@dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [batch_bucket, vocab] float32, written by each replay
+
+
+class DecodeGraphs:
+    """Captured generation steps of one model; ``run`` replays the best fit."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,  # [layers, 2, num_blocks + 1, tokens_per_block, kv_heads, D]
+        scratch_block: int,  # a block id no request owns: padding rows read and write only it
+        max_batch_size: int,
+        max_seq_len: int,
+        tokens_per_block: int,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.tokens_per_block = tokens_per_block
+        self.scratch_block = scratch_block
+        self.batch_sizes = batch_buckets(max_batch_size)
+        self.widths = width_buckets(-(-max_seq_len // tokens_per_block))
+        max_bs, device = self.batch_sizes[-1], self.device
+        # Static inputs every graph reads (a graph reads the first `batch` rows).
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.context_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        self.block_tables = {w: torch.full((max_bs, w), scratch_block, dtype=torch.int64, device=device) for w in self.widths}
+        self.rows = torch.arange(max_bs, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.num_replays = 0
+
+    # -- capture ---------------------------------------------------------------
+
+    def _metadata(self, batch: int, width: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start=list(range(batch + 1)),
+            context_lens=[1] * batch,  # host copy is not read on the generation path
+            block_tables=self.block_tables[width][:batch],
+            context_lens_t=self.context_lens[:batch],
+            slot_mapping=self.slot_mapping[:batch],
+            single_query_rows=self.rows[:batch],
+            single_query_tokens=self.rows[:batch],
+            multi_query_rows=[],
+        )
+
+    def _forward(self, batch: int, width: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_cache, self._metadata(batch, width))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse the pool's memory."""
+        started = time.perf_counter()
+        self._reset_inputs()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for width in reversed(self.widths):
+                for batch in reversed(self.batch_sizes):
+                    self._forward(batch, width)  # warm-up: compiles kernels, sizes workspaces
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        logits = self._forward(batch, width)
+                    self.graphs[(batch, width)] = _Graph(graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        log.info(
+            "captured %d CUDA graphs (batch %s x block-table width %s) in %.1f s",
+            len(self.graphs), self.batch_sizes, self.widths, time.perf_counter() - started,
+        )
+
+    def _reset_inputs(self) -> None:
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(self.scratch_block * self.tokens_per_block)
+        self.context_lens.fill_(1)
+        for table in self.block_tables.values():
+            table.fill_(self.scratch_block)
+
+    # -- replay ----------------------------------------------------------------
+
+    def fits(self, num_requests: int, max_context_len: int) -> bool:
+        width = -(-max_context_len // self.tokens_per_block)
+        return _bucket(self.batch_sizes, num_requests) is not None and _bucket(self.widths, width) is not None
+
+    def run(
+        self,
+        input_ids: list[int],  # [n] one token per request
+        positions: list[int],
+        slots: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],  # per request, at least ceil(context_len / tokens_per_block) ids
+    ) -> torch.Tensor:  # [n, vocab] float32 (a view into the graph's output: read it before the next run)
+        n = len(input_ids)
+        batch = _bucket(self.batch_sizes, n)
+        width = _bucket(self.widths, -(-max(context_lens) // self.tokens_per_block))
+        assert batch is not None and width is not None, "caller checks fits() first"
+        pad = batch - n
+        scratch_slot = self.scratch_block * self.tokens_per_block
+        # One pinned host tensor, one copy: ids, positions, slots, lengths, then the table.
+        header = torch.tensor(
+            [input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad, context_lens + [1] * pad],
+            dtype=torch.int64,
+        )
+        rows = [ids[:width] + [self.scratch_block] * (width - len(ids)) for ids in block_tables]
+        rows += [[self.scratch_block] * width] * pad
+        table = torch.tensor(rows, dtype=torch.int64)
+        host = torch.cat([header.flatten(), table.flatten()]).pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        self.input_ids[:batch].copy_(dev[0:batch])
+        self.positions[:batch].copy_(dev[batch : 2 * batch])
+        self.slot_mapping[:batch].copy_(dev[2 * batch : 3 * batch])
+        self.context_lens[:batch].copy_(dev[3 * batch : 4 * batch])
+        self.block_tables[width][:batch].copy_(dev[4 * batch :].view(batch, width))
+        entry = self.graphs[(batch, width)]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.logits[:n]
