@@ -31,7 +31,7 @@ BenchArgs = Callable[[], tuple]
 
 BENCHMARKS = {
     "rmsnorm": "x[{tokens}, hidden] + residual",
-    "rope": "q, k of {tokens} tokens",
+    "rope": "q, k rotated + k, v written to the KV cache, {tokens} tokens",
     "activation": "[{tokens}, 2 x intermediate]",
     "gemm": "qkv projection, {tokens} tokens",
     "attention": "generation step, 16 requests x 512 cached tokens",
@@ -55,10 +55,15 @@ def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: 
         x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
         return lambda: (x, weight, model.rms_norm_eps, residual)
     if kind == "rope":
-        q, k = randn(tokens, heads, dim), randn(tokens, kv_heads, dim)
+        q, k, v = randn(tokens, heads, dim), randn(tokens, kv_heads, dim), randn(tokens, kv_heads, dim)
         cos, sin = randn(4096, dim), randn(4096, dim)
         positions = torch.arange(tokens, device=device)
-        return lambda: (q, k, cos, sin, positions)
+        # Twice the slots the tokens need, scattered: requests' blocks are not contiguous in the pool.
+        block = build.tokens_per_block
+        num_blocks = 2 * -(-tokens // block)
+        k_cache, v_cache = randn(num_blocks, block, kv_heads, dim), randn(num_blocks, block, kv_heads, dim)
+        slots = torch.randperm(num_blocks * block, generator=gen)[:tokens].to(device)
+        return lambda: (q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     if kind == "activation":
         x = randn(tokens, 2 * model.intermediate_size)
         return lambda: (x,)

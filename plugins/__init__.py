@@ -7,10 +7,13 @@ from plugins.registry import KernelSpec, get_kernel, list_kernels, register_kern
 # Importing the implementation modules registers them: adding a kernel is one
 # file plus one line here.
 from plugins import activation_torch as _activation_torch  # noqa: F401,E402
+from plugins import activation_triton as _activation_triton  # noqa: F401,E402
 from plugins import attention_torch as _attention_torch  # noqa: F401,E402
+from plugins import attention_triton as _attention_triton  # noqa: F401,E402
 from plugins import gemm_torch as _gemm_torch  # noqa: F401,E402
 from plugins import norm_torch as _norm_torch  # noqa: F401,E402
 from plugins import norm_triton as _norm_triton  # noqa: F401,E402
 from plugins import rope_torch as _rope_torch  # noqa: F401,E402
+from plugins import rope_triton as _rope_triton  # noqa: F401,E402
 
 __all__ = ["KernelSpec", "get_kernel", "list_kernels", "register_kernel"]

@@ -14,7 +14,7 @@ from plugins.registry import get_kernel
 class Kernels:
     attention: Callable[..., torch.Tensor]  # plugins/attention_torch.py: paged_attention
     rmsnorm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]  # norm_torch.py: rms_norm
-    rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # rope_torch.py: apply_rope
+    rope: Callable[..., torch.Tensor]  # rope_torch.py: rope_and_write_kv (rotate q and k, write k and v)
     activation: Callable[..., torch.Tensor]  # activation_torch.py: act_and_mul
     gemm: Callable[..., torch.Tensor]  # gemm_torch.py: linear
 

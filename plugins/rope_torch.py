@@ -1,4 +1,5 @@
-"""Reference rotary position embedding: tables and application.
+"""Reference rotary position embedding: tables, rotation, and the "rope" kernel
+kind, which rotates q and k and writes k and v into the paged KV cache.
 
 Two layouts: GPT-NeoX style (``neox``: the two halves of each head rotate
 together; Llama, Mistral, Gemma in Hugging Face layout) and GPT-J style
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from plugins.attention_torch import write_kv
 from plugins.registry import register_kernel
 
 
@@ -61,7 +63,6 @@ def _rotate(x: torch.Tensor, style: str) -> torch.Tensor:
     return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
 
 
-@register_kernel("rope", "torch", description="reference: table lookup + rotate (neox or gptj layout)")
 def apply_rope(
     q: torch.Tensor,  # [tokens, heads, head_dim]
     k: torch.Tensor,  # [tokens, kv_heads, head_dim]
@@ -70,6 +71,35 @@ def apply_rope(
     positions: torch.Tensor,  # [tokens]
     style: str = "neox",
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k by their positions (the rotation alone, no cache write).
+
+    Applied in q's dtype with cos/sin cast to it, as Hugging Face does, so that
+    greedy tokens match transformers'.
+    """
     cos = cos_table.index_select(0, positions)[:, None, :].to(q.dtype)
     sin = sin_table.index_select(0, positions)[:, None, :].to(q.dtype)
     return q * cos + _rotate(q, style) * sin, k * cos + _rotate(k, style) * sin
+
+
+@register_kernel("rope", "torch", description="reference: table lookup + rotate (neox or gptj), then KV-cache write")
+def rope_and_write_kv(
+    q: torch.Tensor,  # [tokens, heads, head_dim]
+    k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    v: torch.Tensor,  # [tokens, kv_heads, head_dim]
+    cos_table: torch.Tensor,  # [max_positions, head_dim]
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,  # [tokens] int64
+    k_cache: torch.Tensor,  # [num_blocks, tokens_per_block, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [tokens] int64: flat cache slot of each token
+    style: str = "neox",
+) -> torch.Tensor:  # [tokens, heads, head_dim]: the rotated q
+    """Rotate q and k, store the rotated k and v at their cache slots, return the rotated q.
+
+    The kernel kind is rotation and cache write together because a fused
+    kernel does both in one pass over k; this reference runs them one after
+    the other.
+    """
+    q, k = apply_rope(q, k, cos_table, sin_table, positions, style)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q

@@ -17,8 +17,9 @@ from plugins.rope_torch import apply_rope, rope_cos_sin, rope_inv_freq
 
 
 def test_every_kind_has_a_torch_reference():
-    kinds = {spec.kind for spec in list_kernels() if spec.name == "torch"}
-    assert kinds == {"attention", "rmsnorm", "rope", "activation", "gemm"}
+    with_reference = {spec.kind for spec in list_kernels() if spec.name == "torch"}
+    assert {spec.kind for spec in list_kernels()} == with_reference
+    assert {"attention", "rmsnorm", "rope", "activation", "gemm"} <= with_reference
 
 
 def test_registry_refuses_kernel_that_cannot_run():
@@ -51,17 +52,28 @@ def test_gemma_rms_norm_matches_transformers(dtype):
     assert torch.equal(out, expected)
 
 
-def test_neox_rope_matches_transformers():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kernel_rotates_like_transformers_and_caches_k_v(dtype):
+    """The registered rope kernel: rotated q back, rotated k and raw v stored at their slots."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    q, k = torch.randn(7, 4, 32), torch.randn(7, 2, 32)
+    q, k, v = torch.randn(7, 4, 32).to(dtype), torch.randn(7, 2, 32).to(dtype), torch.randn(7, 2, 32).to(dtype)
     positions = torch.tensor([0, 1, 2, 10, 11, 100, 5])
     cos, sin = rope_cos_sin(rope_inv_freq(32, 10000.0), 128)
-    ours_q, ours_k = apply_rope(q, k, cos, sin, positions, style="neox")
-    # transformers: q [batch, heads, seq, dim], cos [batch, seq, dim]
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[positions][None], sin[positions][None])
-    assert torch.allclose(ours_q, hf_q[0].transpose(0, 1), atol=1e-6)
-    assert torch.allclose(ours_k, hf_k[0].transpose(0, 1), atol=1e-6)
+    k_cache, v_cache = torch.full((6, 4, 2, 32), 7.0, dtype=dtype), torch.full((6, 4, 2, 32), 7.0, dtype=dtype)
+    slots = torch.tensor([21, 3, 4, 12, 0, 17, 9])  # scattered over blocks 5, 0, 0, 3, 0, 4, 2
+    rope = get_kernel("rope", "torch", torch.device("cpu"), dtype).fn
+    ours_q = rope(q, k, v, cos, sin, positions, k_cache, v_cache, slots, "neox")
+    # transformers: q [batch, heads, seq, dim], cos [batch, seq, dim] in the model dtype
+    hf_cos, hf_sin = cos[positions][None].to(dtype), sin[positions][None].to(dtype)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    assert torch.equal(ours_q, hf_q[0].transpose(0, 1))
+    assert torch.equal(k_cache.flatten(0, 1)[slots], hf_k[0].transpose(0, 1))
+    assert torch.equal(v_cache.flatten(0, 1)[slots], v)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_cache.flatten(0, 1)[untouched] == 7).all() and (v_cache.flatten(0, 1)[untouched] == 7).all()
+    assert torch.equal(ours_q, apply_rope(q, k, cos, sin, positions, "neox")[0])
 
 
 def test_gptj_rope_is_complex_rotation_of_adjacent_pairs():

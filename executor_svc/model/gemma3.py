@@ -25,7 +25,6 @@ from executor_svc.model.config import ModelConfig
 from executor_svc.model.llama import Linear, RMSNorm, RotaryEmbedding
 from executor_svc.model.weights import load_decoder_weights
 from plugins.attention_metadata import AttentionMetadata
-from plugins.attention_torch import write_kv
 from plugins.kernels import Kernels
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -76,8 +75,7 @@ class Gemma3DecoderLayer(nn.Module):
         q = self.q_norm(q.reshape(-1, dim))[0].view(tokens, self.num_heads, dim)
         k = self.k_norm(k.reshape(-1, dim))[0].view(tokens, self.num_kv_heads, dim)
         v = v.view(tokens, self.num_kv_heads, dim)
-        q, k = rotary(q, k, positions)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        q = rotary(q, k, v, positions, kv_cache[0], kv_cache[1], meta.slot_mapping)
         attn = self.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         h = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)))[0]
         h, residual = self.pre_feedforward_layernorm(h, residual)  # residual += attention output

@@ -18,7 +18,6 @@ from torch import nn
 
 from executor_svc.model.config import ModelConfig
 from plugins.attention_metadata import AttentionMetadata
-from plugins.attention_torch import write_kv
 from plugins.kernels import Kernels
 from plugins.rope_torch import rope_cos_sin, rope_inv_freq
 
@@ -50,7 +49,8 @@ class Linear(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions; applied by the rope kernel."""
+    """cos/sin tables for every position up to max_positions; applied by the rope kernel,
+    which also writes the layer's k and v into the paged cache."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, max_positions: int, kernels: Kernels) -> None:
         super().__init__()
@@ -59,8 +59,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.kernel = kernels.rope
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernel(q, k, self.cos, self.sin, positions, "neox")
+    def forward(
+        self,
+        q: torch.Tensor,  # [tokens, heads, D]
+        k: torch.Tensor,  # [tokens, kv_heads, D]
+        v: torch.Tensor,  # [tokens, kv_heads, D]
+        positions: torch.Tensor,  # [tokens]
+        k_cache: torch.Tensor,  # [num_blocks, tokens_per_block, kv_heads, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [tokens]
+    ) -> torch.Tensor:  # [tokens, heads, D]
+        """Rotate q and k, store the rotated k and v at their cache slots; returns the rotated q."""
+        return self.kernel(q, k, v, self.cos, self.sin, positions, k_cache, v_cache, slot_mapping, "neox")
 
 
 class DecoderLayer(nn.Module):
@@ -100,8 +110,7 @@ class DecoderLayer(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        q = rotary(q, k, v, positions, kv_cache[0], kv_cache[1], meta.slot_mapping)
         attn = self.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)), residual)
         return self.down_proj(self.act_and_mul(self.gate_up_proj(h), "silu")), residual

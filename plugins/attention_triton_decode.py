@@ -1,0 +1,238 @@
+"""Triton paged decode attention: single-token queries, split-K (flash-decoding).
+
+One program owns one (request, KV head, split of the sequence): it loads the
+query rows of every query head that shares the KV head (the GQA group, padded
+to 16 rows so it can be the M side of ``tl.dot``), walks its split of the
+request's keys through the block table, and keeps an online softmax. Each K/V
+tile is therefore read once per group, not once per query head. A second
+kernel merges the splits with their log-sum-exp weights.
+
+Everything the host decides (grid, number of splits, scratch sizes) comes from
+tensor shapes only, never from context-length values, so the launch can be
+captured in a CUDA graph: a row whose context is shorter than the padded table
+simply leaves its last splits empty, and the merge gives empty splits zero weight.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from plugins.attention_metadata import AttentionMetadata
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTiles:
+    """Launch settings of the decode kernels (the knobs to tune per GPU)."""
+
+    block_n: int  # keys per inner iteration
+    num_warps: int
+    num_stages: int
+    # Splitting: aim for this many programs per SM, but never make a split
+    # shorter than min_split_tokens (each split costs a partial write and a merge
+    # read) and never use more than max_splits (the merge holds them all at once).
+    programs_per_sm: int = 4
+    min_split_tokens: int = 128
+    max_splits: int = 64
+
+
+def decode_tiles(head_dim: int, dtype: torch.dtype) -> DecodeTiles:
+    """Defaults for Hopper-class GPUs (H100/H200)."""
+    if dtype == torch.float32 and head_dim > 128:
+        return DecodeTiles(block_n=16, num_warps=8, num_stages=2, min_split_tokens=64)
+    if dtype == torch.float32 or head_dim > 128:
+        return DecodeTiles(block_n=32, num_warps=4, num_stages=2, min_split_tokens=64)
+    return DecodeTiles(block_n=64, num_warps=4, num_stages=3)
+
+
+def decode_splits(batch: int, kv_heads: int, span_tokens: int, num_sms: int, tiles: DecodeTiles) -> tuple[int, int]:
+    """(number of splits, tokens per split) for ``span_tokens`` keys at most per row.
+
+    Shape-only: ``span_tokens`` is the padded table width (or the window), so the
+    result is the same for every step of a CUDA graph bucket.
+    """
+    wanted = triton.cdiv(tiles.programs_per_sm * num_sms, max(1, batch * kv_heads))
+    splits = max(1, min(wanted, triton.cdiv(span_tokens, tiles.min_split_tokens), tiles.max_splits))
+    split_len = triton.cdiv(triton.cdiv(span_tokens, splits), tiles.block_n) * tiles.block_n
+    return triton.cdiv(span_tokens, split_len), split_len
+
+
+DOT_NATIVE, DOT_FP32, DOT_UPCAST = 0, 1, 2
+
+
+def dot_mode(dtype: torch.dtype) -> int:
+    """How ``_dot`` multiplies tiles of ``dtype``.
+
+    float32 multiplies on tensor cores with the three-pass TF32 split (about
+    float32 accuracy; Triton's default, one TF32 pass, keeps only 10 mantissa
+    bits, and "ieee" products on FMA units spill registers at these tile sizes).
+    Triton's CPU interpreter multiplies bfloat16 tiles as their raw uint16 bits,
+    so there (and only there) bfloat16 tiles are widened to float32 first.
+    """
+    if dtype == torch.float32:
+        return DOT_FP32
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "yes", "on"):
+        return DOT_UPCAST
+    return DOT_NATIVE
+
+
+@triton.jit
+def _dot(a, b, DOT_MODE: tl.constexpr):
+    if DOT_MODE == 1:
+        c = tl.dot(a, b, input_precision="tf32x3")
+    elif DOT_MODE == 2:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    rows_ptr, tokens_ptr, tables_ptr, lens_ptr,
+    qk_scale, split_len, num_splits, num_heads,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(rows_ptr + b)
+    token = tl.load(tokens_ptr + b)
+    seq_len = tl.load(lens_ptr + row).to(tl.int32)  # the query sits at position seq_len - 1
+    first = 0
+    if WINDOW > 0:
+        first = tl.maximum(seq_len - WINDOW, 0)
+    start = first + split * split_len
+    end = tl.minimum(start + split_len, seq_len)  # start >= end: an empty split
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    head_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+    q = tl.load(
+        q_ptr + token * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=head_mask[:, None] & d_mask[None, :], other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table = tables_ptr + row.to(tl.int64) * stride_table
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=n_mask, other=0).to(tl.int64)
+        offset = offs_n % TOKENS_PER_BLOCK
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        qk = _dot(q, tl.trans(k), DOT_MODE) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        # Every iteration has at least one valid key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        ).to(q.dtype)
+        acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
+        m_i = m_new
+
+    seen = l_i > 0.0  # False for an empty split (or a padding row with no context)
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    store_mask = head_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:  # the one split is the answer: no merge kernel
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # part_o: [batch, num_heads, num_splits, HEAD_DIM]; part_lse: [batch, num_heads, num_splits]
+        part = (b * num_heads + heads) * num_splits + split  # [BLOCK_H]
+        tl.store(part_o_ptr + part[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=head_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, tokens_ptr,
+    num_splits, num_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(tokens_ptr + b)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    part = (b * num_heads + head) * num_splits + offs_s  # [BLOCK_S]
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: a padding row, output 0
+    w = tl.exp2(lse - m)  # 0 for empty splits
+    o = tl.load(part_o_ptr + part[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    total = tl.sum(w, 0)
+    merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, tokens_per_block, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int,
+    out: torch.Tensor,  # [num_tokens, heads, head_dim]; the single-query rows are written
+    tiles: DecodeTiles,
+    num_sms: int,
+) -> None:
+    """Attention of every single-token query in ``meta``, written into ``out``."""
+    rows, tokens = meta.single_query_rows, meta.single_query_tokens
+    batch = rows.shape[0]
+    heads, head_dim = q.shape[1], q.shape[2]
+    tokens_per_block, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    span = meta.block_tables.shape[1] * tokens_per_block
+    if sliding_window > 0:
+        span = min(span, sliding_window)
+    num_splits, split_len = decode_splits(batch, kv_heads, span, num_sms, tiles)
+    single = num_splits == 1
+    # Scratch for the partial results; shape-derived, so allocating it is graph-safe.
+    part_o = q.new_empty((1,) if single else (batch, heads, num_splits, head_dim), dtype=torch.float32)
+    part_lse = q.new_empty((1,) if single else (batch, heads, num_splits), dtype=torch.float32)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        rows, tokens, meta.block_tables, meta.context_lens_t,
+        scale * LOG2_E, split_len, num_splits, heads,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
+        SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if not single:
+        _decode_merge_kernel[(batch, heads)](
+            part_o, part_lse, out, tokens, num_splits, heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
