@@ -158,17 +158,8 @@ async def one_request(client, prompt: list[int], output_len: int, trace: Request
                 }
 
 
-async def run_level(client, prompts: list[list[int]], output_len: int, desc: str) -> tuple[dict, list[RequestTrace]]:
-    traces = [RequestTrace() for _ in prompts]
-    steps_before = (await client.stats()).num_steps
-    with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", file=sys.stderr, leave=False) as bar:
-        cpu_start = MONITOR.snapshot()
-        start = time.perf_counter()
-        await asyncio.gather(*(one_request(client, p, output_len, t, bar) for p, t in zip(prompts, traces)))
-        wall = time.perf_counter() - start
-        cpu = MONITOR.report(cpu_start)
-    steps = (await client.stats()).num_steps - steps_before
-
+def trace_metrics(traces: list[RequestTrace], prompts: list[list[int]], output_len: int, wall: float) -> dict:
+    """Throughput and latency percentiles of finished requests; raises if any came back short."""
     problems = [
         f"request {i}: finish_reason={t.finish_reason!r} tokens={len(t.token_ids)} error={t.error!r}"
         for i, t in enumerate(traces)
@@ -184,7 +175,6 @@ async def run_level(client, prompts: list[list[int]], output_len: int, desc: str
     total_out = sum(len(t.token_ids) for t in traces)
     total_in = sum(len(p) for p in prompts)
     metrics = {
-        "concurrency": len(prompts),
         "num_requests": len(prompts),
         "wall_s": wall,
         "total_input_tokens": total_in,
@@ -196,11 +186,25 @@ async def run_level(client, prompts: list[list[int]], output_len: int, desc: str
         "tpot_ms": summarize_ms(tpot),
         "itl_ms": summarize_ms(itl),
         "e2e_latency_ms": summarize_ms(e2e),
-        "server_steps": steps,
         "max_tokens_per_chunk": max(max(t.chunk_sizes) for t in traces),
         "cached_prompt_tokens": sum((t.usage or {}).get("cached_tokens", 0) for t in traces),
-        "cpu": cpu,
     }
+    return metrics
+
+
+async def run_level(client, prompts: list[list[int]], output_len: int, desc: str) -> tuple[dict, list[RequestTrace]]:
+    traces = [RequestTrace() for _ in prompts]
+    steps_before = (await client.stats()).num_steps
+    with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", file=sys.stderr, leave=False) as bar:
+        cpu_start = MONITOR.snapshot()
+        start = time.perf_counter()
+        await asyncio.gather(*(one_request(client, p, output_len, t, bar) for p, t in zip(prompts, traces)))
+        wall = time.perf_counter() - start
+        cpu = MONITOR.report(cpu_start)
+    steps = (await client.stats()).num_steps - steps_before
+
+    metrics = trace_metrics(traces, prompts, output_len, wall)
+    metrics.update(concurrency=len(prompts), server_steps=steps, cpu=cpu)
     return metrics, traces
 
 

@@ -35,8 +35,11 @@ SHAPES: dict[str, dict] = {
 }
 
 
-def shape_folder(name: str, root: Path) -> Path:
-    """A config-only Hugging Face folder of shape ``name`` under ``root`` (made once)."""
+def shape_folder(name: str, root: Path, tokenizer_from: str = "smollm2-135m-instruct") -> Path:
+    """A config-only Hugging Face folder of shape ``name`` under ``root`` (made once).
+
+    ``tokenizer_from``: a model name, folder or .gguf whose tokenizer files are copied in.
+    """
     from inflight.model_store import resolve_model
 
     if name not in SHAPES:
@@ -44,7 +47,7 @@ def shape_folder(name: str, root: Path) -> Path:
     folder = root / f"shape-{name}"
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True, exist_ok=True)
-        tokenizer_source = resolve_model("smollm2-135m-instruct", progress=False)
+        tokenizer_source = resolve_model(tokenizer_from, progress=False)
         for path in tokenizer_source.iterdir():
             if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
                 (folder / path.name).write_bytes(path.read_bytes())

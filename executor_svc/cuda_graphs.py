@@ -20,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from plugins.attention_metadata import AttentionMetadata
@@ -145,6 +146,7 @@ class DecodeGraphs:
         slots: list[int],
         context_lens: list[int],
         block_tables: list[list[int]],  # per request, at least ceil(context_len / tokens_per_block) ids
+        patch: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows, ids on the device) overriding input_ids
     ) -> torch.Tensor:  # [n, vocab] float32 (a view into the graph's output: read it before the next run)
         n = len(input_ids)
         batch = _bucket(self.batch_sizes, n)
@@ -157,16 +159,19 @@ class DecodeGraphs:
             [input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad, context_lens + [1] * pad],
             dtype=torch.int64,
         )
-        rows = [ids[:width] + [self.scratch_block] * (width - len(ids)) for ids in block_tables]
-        rows += [[self.scratch_block] * width] * pad
-        table = torch.tensor(rows, dtype=torch.int64)
-        host = torch.cat([header.flatten(), table.flatten()]).pin_memory()
+        table = np.full((batch, width), self.scratch_block, dtype=np.int64)
+        for row, ids in enumerate(block_tables):
+            used = min(len(ids), width)
+            table[row, :used] = ids[:used]
+        host = torch.cat([header.flatten(), torch.from_numpy(table).flatten()]).pin_memory()
         dev = host.to(self.device, non_blocking=True)
         self.input_ids[:batch].copy_(dev[0:batch])
         self.positions[:batch].copy_(dev[batch : 2 * batch])
         self.slot_mapping[:batch].copy_(dev[2 * batch : 3 * batch])
         self.context_lens[:batch].copy_(dev[3 * batch : 4 * batch])
         self.block_tables[width][:batch].copy_(dev[4 * batch :].view(batch, width))
+        if patch is not None:  # tokens an earlier step sampled and the host has not seen yet
+            self.input_ids.index_copy_(0, *patch)
         entry = self.graphs[(batch, width)]
         entry.graph.replay()
         self.num_replays += 1

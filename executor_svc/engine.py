@@ -18,7 +18,9 @@ import torch
 from safetensors.torch import load_model
 from torch import nn
 
+from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.engine_file import WEIGHTS_NAME, EngineManifest, check_device, read_manifest
+from executor_svc.kv_offload import KVOffload
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
 from kvcache.layout import KVCacheLayout
@@ -35,6 +37,8 @@ class RuntimeConfig:
     device: str = "auto"  # "auto" = the engine's device type, index 0
     kv_cache_bytes: int = 0  # 0 = derive from kv_cache_fraction (GPU) or 2 GiB (CPU)
     kv_cache_fraction: float = 0.9  # of GPU memory, when kv_cache_bytes is 0
+    cuda_graphs: bool = True  # capture generation steps on a GPU; False = always eager
+    host_cache_bytes: int = 0  # host-memory tier of the KV cache (pinned on a GPU); 0 = none
 
 
 @dataclass(slots=True)
@@ -42,11 +46,15 @@ class Engine:
     engine_dir: Path
     manifest: EngineManifest
     model: nn.Module  # forward(input_ids, positions, kv_cache, meta) -> hidden; compute_logits(hidden)
-    kv_cache: torch.Tensor  # [layers, 2, num_blocks, tokens_per_block, kv_heads, D]
+    # [layers, 2, num_kv_blocks + 1, tokens_per_block, kv_heads, D]: the last block is
+    # scratch space for the padding rows of CUDA graphs, never given to the scheduler.
+    kv_cache: torch.Tensor
     layout: KVCacheLayout
-    num_kv_blocks: int
+    num_kv_blocks: int  # blocks the scheduler may hand out: ids 0 .. num_kv_blocks - 1
     device: torch.device
     dtype: torch.dtype
+    decode_graphs: DecodeGraphs | None = None  # captured generation steps (GPU only)
+    kv_offload: KVOffload | None = None  # the host tier of the KV cache and its copies
 
     @property
     def model_config(self) -> ModelConfig:
@@ -107,7 +115,7 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
         tokens_per_block=build.tokens_per_block, dtype=dtype,
     )
     budget = runtime.kv_cache_bytes or _default_kv_budget(device, runtime.kv_cache_fraction)
-    num_blocks = layout.num_blocks_for_budget(budget)
+    num_blocks = layout.num_blocks_for_budget(budget) - 1  # one block of the budget is the scratch block
     min_blocks = -(-manifest.max_seq_len // build.tokens_per_block)
     if num_blocks < min_blocks:
         raise ValueError(
@@ -115,12 +123,20 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
             f"fewer than one max_seq_len={manifest.max_seq_len} sequence needs ({min_blocks}); "
             "raise the KV cache size or build with a smaller max_seq_len"
         )
-    kv_cache = layout.allocate(num_blocks, device)
+    kv_cache = layout.allocate(num_blocks + 1, device)  # + the scratch block
     log.info(
         "engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.0f MiB)", model_config.name, device, manifest.dtype,
         num_blocks, build.tokens_per_block, num_blocks * layout.bytes_per_block / 2**20,
     )
-    return Engine(engine_dir, manifest, model, kv_cache, layout, num_blocks, device, dtype)
+    engine = Engine(engine_dir, manifest, model, kv_cache, layout, num_blocks, device, dtype)
+    engine.kv_offload = KVOffload(kv_cache, num_blocks, KVOffload.blocks_for_budget(layout, runtime.host_cache_bytes))
+    if device.type == "cuda" and runtime.cuda_graphs:
+        engine.decode_graphs = DecodeGraphs(
+            model, kv_cache, scratch_block=num_blocks, max_batch_size=build.max_batch_size,
+            max_seq_len=manifest.max_seq_len, tokens_per_block=build.tokens_per_block,
+        )
+        engine.decode_graphs.capture()
+    return engine
 
 
 def _default_kv_budget(device: torch.device, fraction: float) -> int:

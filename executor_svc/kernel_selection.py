@@ -135,9 +135,17 @@ def choose(
         )
     if not runnable:
         raise PluginUnavailableError(f"no {kind} plugin can run on {device.type} with {dtype}")
-    timings = {c.name: time_kernel(c.fn, args, device) for c in runnable}
+    timings, refused = {}, []
+    for candidate in runnable:
+        try:
+            timings[candidate.name] = time_kernel(candidate.fn, args, device)
+        except ValueError as exc:  # the kernel refuses this model's shapes (e.g. a head_dim it cannot hold)
+            if candidate.name == REFERENCE:
+                raise
+            log.info("%s plugin %r cannot serve this model: %s", kind, candidate.name, exc)
+            refused.append(f"{candidate.name}: {exc}")
     best = min(timings, key=timings.__getitem__)
-    return PluginChoice(name=best, requested="auto", timings_us=timings)
+    return PluginChoice(name=best, requested="auto", timings_us=timings, note="; ".join(refused))
 
 
 def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> dict[str, PluginChoice]:

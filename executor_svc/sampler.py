@@ -97,6 +97,12 @@ class RequestSamplingState:
         """token id -> occurrences in the output (empty unless presence/frequency is on)."""
         return dict(self._counts) if self._counts is not None else {}
 
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling the next token reads the tokens emitted so far (penalties, min_tokens)."""
+        blocking = self.config.min_tokens > 0 and bool(self.config.min_tokens_blocked_ids)
+        return self._seen is not None or self._counts is not None or blocking
+
     def append_output(self, token_ids: list[int]) -> None:
         """Record tokens the request emitted (call once per sampled token, in order)."""
         self._num_output += len(token_ids)

@@ -19,6 +19,7 @@ import grpc
 from executor_svc import wire
 from executor_svc.engine import Engine
 from executor_svc.runner import ModelRunner
+from executor_svc.step_pipeline import StepPipeline
 from protos import executor_pb2 as ex
 from protos import executor_pb2_grpc as ex_grpc
 from protos.plan import ExecutorInfo, StepPlan, StepResult
@@ -34,59 +35,14 @@ def executor_info(engine: Engine) -> ExecutorInfo:
         num_kv_blocks=engine.num_kv_blocks, tokens_per_block=engine.tokens_per_block,
         max_batch_size=engine.max_batch_size, max_num_tokens=engine.max_num_tokens,
         max_seq_len=engine.max_seq_len, device=engine.device_name, dtype=engine.manifest.dtype,
+        num_host_blocks=engine.kv_offload.num_host_blocks if engine.kv_offload is not None else 0,
     )
 
 
-class MainThreadRunner:
-    """Runs steps on the thread that calls ``run_forever`` (the process's main thread).
-
-    gRPC handlers run in a thread pool; torch's CPU kernels measurably lose
-    parallelism when called from such a worker thread, so handlers hand their
-    plans to the main thread and wait for the result instead.
-    """
-
-    _STOP = object()
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = threading.Event()
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        return self._submit(plan)
-
-    def reset(self) -> None:
-        self._submit(None)
-
-    def _submit(self, plan: StepPlan | None):
-        if self._stopped.is_set():
-            raise RuntimeError("executor is shutting down")
-        done: futures.Future = futures.Future()
-        self._work.put((plan, done))
-        return done.result()
-
-    def run_forever(self) -> None:
-        while (item := self._work.get()) is not self._STOP:
-            plan, done = item
-            try:
-                done.set_result(self.runner.reset() if plan is None else self.runner.execute(plan))
-            except BaseException as exc:  # the handler re-raises it
-                done.set_exception(exc)
-        # Nobody will run what is still queued: release the handlers waiting on it.
-        while not self._work.empty():
-            item = self._work.get()
-            if item is not self._STOP:
-                item[1].set_exception(RuntimeError("executor is shutting down"))
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._work.put(self._STOP)
-
-
 class ExecutorService(ex_grpc.ExecutorServicer):
-    def __init__(self, engine: Engine, runner: MainThreadRunner | ModelRunner) -> None:
+    def __init__(self, engine: Engine, pipeline: StepPipeline) -> None:
         self.engine = engine
-        self.runner = runner
+        self.pipeline = pipeline
         self._attached = threading.Lock()
 
     def Info(self, request: ex.InfoRequest, context: grpc.ServicerContext) -> ex.InfoResponse:
@@ -96,32 +52,52 @@ class ExecutorService(ex_grpc.ExecutorServicer):
         if not self._attached.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is attached to this executor")
         log.info("scheduler attached from %s", context.peer())
+        # Plans are read on their own thread, so that the next plan reaches the
+        # pipeline while the current step still runs (the overlap needs it there).
+        results: queue.SimpleQueue = queue.SimpleQueue()
+
+        def read_plans() -> None:
+            try:
+                for plan_pb in request_iterator:
+                    self.pipeline.submit(wire.plan_from_pb(plan_pb), results.put)
+            except Exception as exc:  # noqa: BLE001 - the stream broke: the scheduler is gone
+                log.info("step stream ended: %s", exc)
+            finally:
+                results.put(_END_OF_PLANS)
+
+        reader = threading.Thread(target=read_plans, name="inflight-plan-reader", daemon=True)
+        reader.start()
         try:
-            for plan_pb in request_iterator:
-                yield wire.result_to_pb(self.runner.execute(wire.plan_from_pb(plan_pb)))
+            while (item := results.get()) is not _END_OF_PLANS:
+                if isinstance(item, BaseException):
+                    raise item
+                yield wire.result_to_pb(item)
         finally:
             try:
-                self.runner.reset()
+                self.pipeline.reset()  # after every plan already submitted
             except RuntimeError:  # shutting down: the state goes with the process
                 pass
             self._attached.release()
             log.info("scheduler detached")
 
 
-def serve_executor(engine: Engine, address: str) -> tuple[grpc.Server, MainThreadRunner]:
+_END_OF_PLANS = object()
+
+
+def serve_executor(engine: Engine, address: str, overlap: bool = True) -> tuple[grpc.Server, StepPipeline]:
     """Start the executor's gRPC server on ``address`` (host:port).
 
-    Returns the running server and the step runner, whose ``run_forever`` the
-    caller runs on the main thread until ``stop``.
+    Returns the running server and the step pipeline, whose ``run_forever``
+    the caller runs on the main thread until ``stop``.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
     )
-    runner = MainThreadRunner(ModelRunner(engine))
-    ex_grpc.add_ExecutorServicer_to_server(ExecutorService(engine, runner), server)
+    pipeline = StepPipeline(ModelRunner(engine), overlap=overlap)
+    ex_grpc.add_ExecutorServicer_to_server(ExecutorService(engine, pipeline), server)
     if server.add_insecure_port(address) == 0:
         raise OSError(f"executor could not bind {address}")
     server.start()
     log.info("executor serving on %s", address)
-    return server, runner
+    return server, pipeline

@@ -25,36 +25,37 @@ class StepTiming:
 
 
 class StepTimeline:
-    """Recent steps' GPU busy and idle times (CUDA only)."""
+    """Recent steps' GPU busy and idle times (CUDA only).
+
+    A step calls ``mark`` before its first operation and after its last, and
+    ``collect`` with both marks once its results are on the host. Steps may be
+    launched before the previous one is collected (overlapped execution); the
+    idle time is then measured against the previous step's end, which comes
+    first on the GPU's single stream.
+    """
 
     def __init__(self, device: torch.device, keep: int = 100_000) -> None:
         self.device = device
         self.steps: deque[StepTiming] = deque(maxlen=keep)
-        self._start: torch.cuda.Event | None = None
-        self._end: torch.cuda.Event | None = None
         self._previous_end: torch.cuda.Event | None = None
 
-    def begin(self) -> None:
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._start.record(torch.cuda.current_stream(self.device))
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
-    def end(self) -> None:
-        self._end = torch.cuda.Event(enable_timing=True)
-        self._end.record(torch.cuda.current_stream(self.device))
-
-    def collect(self, num_requests: int, num_tokens: int) -> StepTiming | None:
-        """Call after the step's results reached the host: both events are done."""
-        if self._start is None or self._end is None:
-            return None
-        idle = self._previous_end.elapsed_time(self._start) * 1e3 if self._previous_end is not None else 0.0
-        timing = StepTiming(num_requests, num_tokens, self._start.elapsed_time(self._end) * 1e3, max(idle, 0.0))
+    def collect(self, start: torch.cuda.Event, end: torch.cuda.Event, num_requests: int, num_tokens: int) -> StepTiming:
+        """Call after ``end`` completed (the step's results reached the host)."""
+        # Negative when this step was queued before the previous one finished: no idle time.
+        idle = self._previous_end.elapsed_time(start) * 1e3 if self._previous_end is not None else 0.0
+        timing = StepTiming(num_requests, num_tokens, start.elapsed_time(end) * 1e3, max(idle, 0.0))
         self.steps.append(timing)
-        self._previous_end, self._start, self._end = self._end, None, None
+        self._previous_end = end
         return timing
 
     def discard(self) -> None:
-        """Drop the current step's events unread (reading them would wait for the GPU)."""
-        self._start = self._end = self._previous_end = None
+        """A step whose marks are not read (it never waited for the GPU): the next gap is unknown."""
+        self._previous_end = None
 
     def summary(self, min_requests: int = 1) -> dict:
         """Busy/idle totals over recorded steps with at least ``min_requests`` requests."""

@@ -4,7 +4,7 @@ that touches generated protobuf classes."""
 from __future__ import annotations
 
 from protos import executor_pb2 as ex
-from protos.plan import CachedRequest, ExecutorInfo, NewRequest, SamplingConfig, StepPlan, StepResult
+from protos.plan import BlockCopy, CachedRequest, ExecutorInfo, NewRequest, SamplingConfig, StepPlan, StepResult
 
 
 def _sampling_from_pb(s: ex.SamplingConfig) -> SamplingConfig:
@@ -36,6 +36,8 @@ def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
             for c in msg.cached_requests
         ],
         finished_request_ids=list(msg.finished_request_ids),
+        swap_out=[BlockCopy(c.device_block, c.host_slot) for c in msg.swap_out],
+        swap_in=[BlockCopy(c.device_block, c.host_slot) for c in msg.swap_in],
     )
 
 
@@ -56,4 +58,5 @@ def info_to_pb(info: ExecutorInfo) -> ex.InfoResponse:
         model=info.model, vocab_size=info.vocab_size, num_kv_blocks=info.num_kv_blocks,
         tokens_per_block=info.tokens_per_block, max_batch_size=info.max_batch_size,
         max_num_tokens=info.max_num_tokens, max_seq_len=info.max_seq_len, device=info.device, dtype=info.dtype,
+        num_host_blocks=info.num_host_blocks,
     )

@@ -26,17 +26,31 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--kv-cache-gb", type=float, default=0.0, help="KV cache size in GiB (default: 2 on CPU, --kv-cache-fraction on GPU)")
     g.add_argument("--kv-cache-fraction", type=float, default=0.9, help="fraction of GPU memory for weights + KV cache")
+    g.add_argument("--host-cache-gb", type=float, default=0.0,
+                   help="host-memory tier of the prefix cache in GiB (pinned on a GPU): evicted blocks wait there; 0 = none")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port")
     p.add_argument("--max-queue-size", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--capacity-policy", default="guaranteed_no_evict", choices=["guaranteed_no_evict", "max_utilization"],
+        help="guaranteed_no_evict: admit only with blocks for the whole request; "
+             "max_utilization: admit optimistically, preempt (and recompute) when blocks run out",
+    )
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of common prompt prefixes")
+    p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan step N+1 while the executor runs step N (the executor feeds in the token still on its way)")
     if with_limits:  # a standalone scheduler may serve below the engine's limits
         g = p.add_argument_group("limits (0 = the executor's)")
         g.add_argument("--max-batch-size", type=int, default=0)
         g.add_argument("--max-num-tokens", type=int, default=0)
         g.add_argument("--max-seq-len", type=int, default=0)
+        g.add_argument("--num-kv-blocks", type=int, default=0, help="KV blocks to use of the executor's pool")
+        g.add_argument("--max-host-blocks", type=int, default=0, help="host-tier blocks to use of the executor's")
 
 
 def build_parser() -> argparse.ArgumentParser:

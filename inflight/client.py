@@ -20,6 +20,7 @@ from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_RETENTION_PRIORITY = 35  # the server's retention priority for ordinary blocks
 _FINISH_NAMES = {
     pb.FINISH_REASON_UNSPECIFIED: None,
     pb.FINISH_REASON_LENGTH: "length",
@@ -34,7 +35,10 @@ _FINISH_NAMES = {
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # prompt tokens reused from the prefix cache
+    # Why the other prompt tokens were computed: reason -> tokens (see NotReusedTokens in generation.proto).
+    not_reused: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -88,9 +92,22 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    priority: int = 0,
+    cache_salt: str = "",
+    retain_prefix_tokens: int = 0,
+    retention_priority: int = DEFAULT_RETENTION_PRIORITY,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from keyword arguments (exactly one of prompt, token_ids, messages)."""
-    req = pb.GenerateRequest(request_id=request_id)
+    """A GenerateRequest from keyword arguments (exactly one of prompt, token_ids, messages).
+
+    ``priority`` (higher first, [-100, 100]) orders admission; ``cache_salt`` keeps
+    this request's prefix-cache blocks apart from other salts'; the blocks of the
+    first ``retain_prefix_tokens`` tokens stay cached at ``retention_priority``
+    ([0, 100]; ordinary blocks have 35, lower is evicted first).
+    """
+    req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    if retain_prefix_tokens:
+        req.kv_cache_retention.num_prefix_tokens = retain_prefix_tokens
+        req.kv_cache_retention.priority = retention_priority
     if prompt is not None:
         req.text = prompt
     if token_ids is not None:
@@ -122,7 +139,10 @@ def build_request(
 def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
     usage = None
     if msg.HasField("usage"):
-        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
+        not_reused = {f.name: value for f, value in msg.usage.not_reused.ListFields()}
+        usage = Usage(
+            msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens, not_reused, msg.usage.num_preemptions
+        )
     return Chunk(msg.request_id, list(msg.token_ids), msg.text, _FINISH_NAMES[msg.finish_reason], usage, msg.error)
 
 

@@ -8,30 +8,49 @@ dataclasses pass between the two services without gRPC or protobuf.
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 from executor_svc.engine import Engine
 from executor_svc.runner import ModelRunner
 from executor_svc.service import executor_info
+from executor_svc.step_pipeline import StepPipeline
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 
 
 class InProcessExecutor:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, overlap: bool = True) -> None:
         self.engine = engine
         self.runner = ModelRunner(engine)
+        self.pipeline = StepPipeline(self.runner, overlap=overlap)
         # Every step on the same thread: each new thread that enters torch gets its own
         # OpenMP team, and idle teams spinning on a small CPU slow the one computing.
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inflight-executor")
+        # torch releases the GIL, so the event loop keeps streaming while the model runs.
+        self._thread = threading.Thread(target=self.pipeline.run_forever, name="inflight-executor", daemon=True)
+        self._thread.start()
 
     async def info(self) -> ExecutorInfo:
         return executor_info(self.engine)
 
     async def step(self, plan: StepPlan) -> StepResult:
-        # In a worker thread: torch releases the GIL, so the event loop keeps
-        # streaming and accepting requests while the model runs.
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self.runner.execute, plan)
+        """Results come back in plan order; a second plan may be sent before the first returns."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[StepResult] = loop.create_future()
+
+        def deliver(result: StepResult | BaseException) -> None:
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        self.pipeline.submit(plan, deliver)
+        return await future
 
     async def close(self) -> None:
-        self.runner.reset()
-        self._thread.shutdown(wait=False)
+        await asyncio.get_running_loop().run_in_executor(None, self.pipeline.reset)
+        self.pipeline.stop()
+
+
+def _settle(future: asyncio.Future, result: StepResult | BaseException) -> None:
+    if future.done():  # the awaiting task was cancelled
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

@@ -26,8 +26,11 @@ from executor_svc.build_config import BuildConfig
 from executor_svc.engine import RuntimeConfig, load_engine
 from inflight.engines import prepare_engine
 from inflight.inprocess import InProcessExecutor
-from scheduler_svc.api_types import GenerationChunk, GenerationRequest
+from kvcache.eviction_queue import KvCacheRetention
+from kvcache.reuse_stats import NotReusedTokens
+from scheduler_svc.api_types import EngineStats, GenerationChunk, GenerationRequest
 from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+from scheduler_svc.scheduler import CapacityPolicy
 from scheduler_svc.tokenizer import Tokenizer
 
 
@@ -60,12 +63,24 @@ class RequestOutput:
     finish_reason: str
     prompt_tokens: int
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    not_reused: NotReusedTokens | None = None  # why the other prompt tokens were computed
+    num_preemptions: int = 0
 
 
 Prompt = str | list[int]
 
 
-def _request(prompt: Prompt, params: SamplingParams) -> GenerationRequest:
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """How one request is scheduled and cached (beside how it samples)."""
+
+    priority: int = 0  # higher first, in [-100, 100]
+    cache_salt: str = ""  # prefix-cache blocks are shared only under the same salt
+    kv_cache_retention: KvCacheRetention | None = None  # keep a prefix's blocks cached longer
+
+
+def _request(prompt: Prompt, params: SamplingParams, options: RequestOptions = RequestOptions()) -> GenerationRequest:
     return GenerationRequest(
         text=prompt if isinstance(prompt, str) else None,
         token_ids=None if isinstance(prompt, str) else list(prompt),
@@ -73,7 +88,8 @@ def _request(prompt: Prompt, params: SamplingParams) -> GenerationRequest:
         repetition_penalty=params.repetition_penalty, presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, seed=params.seed, max_tokens=params.max_tokens,
         min_tokens=params.min_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
+        ignore_eos=params.ignore_eos, priority=options.priority, cache_salt=options.cache_salt,
+        kv_cache_retention=options.kv_cache_retention,
     )
 
 
@@ -90,17 +106,28 @@ class LLM:
         load_format: str = "auto",
         kv_cache_gb: float = 0.0,
         max_queue_size: int = 1 << 20,
+        capacity_policy: CapacityPolicy | str = CapacityPolicy.GUARANTEED_NO_EVICT,
+        enable_prefix_caching: bool = True,
+        host_cache_gb: float = 0.0,
+        num_kv_blocks: int = 0,
     ) -> None:
+        """``capacity_policy``: GUARANTEED_NO_EVICT or MAX_UTILIZATION; ``host_cache_gb``: host-memory
+        tier of the prefix cache; ``num_kv_blocks``: use fewer KV blocks than the memory holds (0 = all)."""
         if (model is None) == (engine_dir is None):
             raise ValueError("give exactly one of model= or engine_dir=")
         name = str(engine_dir) if engine_dir is not None else str(model)
         self.engine_dir = prepare_engine(name, build_config or BuildConfig(), device, load_format)
-        self._engine = load_engine(self.engine_dir, RuntimeConfig(device=device, kv_cache_bytes=int(kv_cache_gb * 2**30)))
+        runtime = RuntimeConfig(device=device, kv_cache_bytes=int(kv_cache_gb * 2**30), host_cache_bytes=int(host_cache_gb * 2**30))
+        self._engine = load_engine(self.engine_dir, runtime)
         self.tokenizer = Tokenizer(self.engine_dir)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="inflight-llm", daemon=True)
         self._thread.start()
-        self._async_engine = AsyncEngine(InProcessExecutor(self._engine), self.tokenizer, EngineLimits(max_queue_size=max_queue_size))
+        limits = EngineLimits(
+            max_queue_size=max_queue_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+            capacity_policy=CapacityPolicy(capacity_policy.upper()) if isinstance(capacity_policy, str) else capacity_policy,
+        )
+        self._async_engine = AsyncEngine(InProcessExecutor(self._engine), self.tokenizer, limits)
         self._call(self._async_engine.start())
 
     def _call(self, coro):
@@ -108,33 +135,54 @@ class LLM:
 
     # -- offline batch -------------------------------------------------------------
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Complete every prompt (all batched inflight); outputs in prompt order."""
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int | Sequence[int] = 0,
+        cache_salt: str = "",
+        kv_cache_retention: KvCacheRetention | None = None,
+    ) -> list[RequestOutput]:
+        """Complete every prompt (all batched inflight); outputs in prompt order.
+
+        ``priority`` is one value for all prompts or one per prompt (higher first).
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        options = [RequestOptions(p, cache_salt, kv_cache_retention) for p in priorities]
 
         async def run_all() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(self._collect(p, params) for p in prompts)))
+            return list(await asyncio.gather(*(self._collect(p, params, o) for p, o in zip(prompts, options))))
 
         return self._call(run_all())
 
-    async def _collect(self, prompt: Prompt, params: SamplingParams) -> RequestOutput:
+    async def _collect(self, prompt: Prompt, params: SamplingParams, options: RequestOptions) -> RequestOutput:
         text, ids, last = "", [], None
-        async for chunk in self._async_engine.generate(_request(prompt, params)):
+        async for chunk in self._async_engine.generate(_request(prompt, params, options)):
             text += chunk.text
             ids += chunk.token_ids
             last = chunk
         assert last is not None and last.finish_reason is not None and last.usage is not None
-        return RequestOutput(prompt, text, ids, last.finish_reason.value, last.usage.prompt_tokens, last.error)
+        usage = last.usage
+        return RequestOutput(
+            prompt, text, ids, last.finish_reason.value, usage.prompt_tokens, last.error,
+            usage.cached_tokens, usage.not_reused, usage.num_preemptions,
+        )
 
     # -- streaming ---------------------------------------------------------------
 
-    async def generate_async(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[GenerationChunk]:
+    async def generate_async(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, options: RequestOptions = RequestOptions()
+    ) -> AsyncIterator[GenerationChunk]:
         """Stream one completion's chunks into the caller's event loop."""
         caller = asyncio.get_running_loop()
         queue: asyncio.Queue[GenerationChunk | BaseException | None] = asyncio.Queue()
-        request = _request(prompt, sampling_params or SamplingParams())
+        request = _request(prompt, sampling_params or SamplingParams(), options)
 
         async def pump() -> None:
             try:
@@ -152,6 +200,14 @@ class LLM:
                 yield item
         finally:
             future.cancel()  # the caller stopped early: cancel the request
+
+    def stats(self) -> EngineStats:
+        """Live load and cache figures: prefix-cache hits, preemptions, free blocks, host tier."""
+
+        async def read() -> EngineStats:
+            return self._async_engine.stats()
+
+        return self._call(read())
 
     # -- engine ------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ def run_executor(args: argparse.Namespace) -> None:
 
     engine_dir = prepare_engine(args.model, build_config_from_args(args), args.device, args.load_format)
     runtime = RuntimeConfig(
-        device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction
+        device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction,
+        cuda_graphs=not args.enforce_eager, host_cache_bytes=int(args.host_cache_gb * 2**30),
     )
     engine = load_engine(engine_dir, runtime)
     server, runner = serve_executor(engine, f"{args.host}:{args.port}")
@@ -40,6 +41,7 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     from inflight.model_store import resolve_model
     from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
     from scheduler_svc.executor_client import GrpcExecutorConnection
+    from scheduler_svc.scheduler import CapacityPolicy
     from scheduler_svc.service import start_scheduler_server
     from scheduler_svc.tokenizer import Tokenizer
 
@@ -48,6 +50,9 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     limits = EngineLimits(
         max_batch_size=getattr(args, "max_batch_size", 0), max_num_tokens=getattr(args, "max_num_tokens", 0),
         max_seq_len=getattr(args, "max_seq_len", 0), max_queue_size=args.max_queue_size,
+        num_kv_blocks=getattr(args, "num_kv_blocks", 0), max_host_blocks=getattr(args, "max_host_blocks", 0),
+        capacity_policy=CapacityPolicy(args.capacity_policy.upper()), enable_prefix_caching=args.enable_prefix_caching,
+        overlap_scheduling=args.overlap_scheduling,
     )
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()
@@ -74,6 +79,8 @@ def run_serve(args: argparse.Namespace) -> None:
         sys.executable, "-m", "inflight", "--log-level", args.log_level, "executor", "--model", str(engine_dir),
         "--host", "127.0.0.1", "--port", str(args.executor_port), "--device", args.device,
         "--kv-cache-gb", str(args.kv_cache_gb), "--kv-cache-fraction", str(args.kv_cache_fraction),
+        "--host-cache-gb", str(args.host_cache_gb),
+        *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     child = subprocess.Popen(executor_cmd)
     try:

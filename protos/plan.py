@@ -56,6 +56,14 @@ class CachedRequest:
     draft_token_ids: list[int] = field(default_factory=list)  # reserved
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """One KV block copied between the device cache and the host tier."""
+
+    device_block: int
+    host_slot: int
+
+
 @dataclass(slots=True)
 class StepPlan:
     """One step of work. Context (new) requests come before generation ones."""
@@ -63,8 +71,12 @@ class StepPlan:
     step_id: int
     new_requests: list[NewRequest] = field(default_factory=list)
     cached_requests: list[CachedRequest] = field(default_factory=list)
-    # Drop executor state of these before running the step.
+    # Drop executor state of these (finished, cancelled, failed or preempted) before running the step.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Host-tier copies, before anything of this step writes the KV cache, in this
+    # order: every swap_out (device -> host, in list order), then every swap_in.
+    swap_out: list[BlockCopy] = field(default_factory=list)
+    swap_in: list[BlockCopy] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -74,7 +86,8 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.new_requests and not self.cached_requests
+        """Nothing for the executor to do: no request to run and no block to copy."""
+        return not self.new_requests and not self.cached_requests and not self.swap_out and not self.swap_in
 
 
 @dataclass(slots=True)
@@ -112,3 +125,4 @@ class ExecutorInfo:
     max_seq_len: int
     device: str
     dtype: str
+    num_host_blocks: int = 0  # slots of the host tier of the KV cache; 0 = none

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvcache.eviction_queue import KvCacheRetention
+from kvcache.reuse_stats import KVCacheStats, NotReusedTokens
 from scheduler_svc.request import FinishReason
 
 
@@ -41,6 +43,10 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Scheduling and the prefix cache.
+    priority: int = 0  # higher first; in [-100, 100]
+    cache_salt: str = ""  # blocks are reused only between requests with the same salt
+    kv_cache_retention: KvCacheRetention | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +54,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    not_reused: NotReusedTokens | None = None  # why the other prompt tokens were computed
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -74,3 +82,18 @@ class ModelDescription:
     eos_token_ids: list[int]
     has_chat_template: bool
     device: str
+    capacity_policy: str = "GUARANTEED_NO_EVICT"
+    prefix_caching: bool = True
+    num_host_blocks: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Live load and cache figures (the Stats call)."""
+
+    num_running_requests: int
+    num_waiting_requests: int
+    num_steps: int
+    executor_ready: bool
+    num_preemptions: int = 0
+    kv: KVCacheStats | None = None  # None before an executor is attached

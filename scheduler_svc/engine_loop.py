@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from protos.plan import ExecutorInfo
-from scheduler_svc.api_types import GenerationChunk, GenerationRequest, ModelDescription, Usage
+from protos.plan import ExecutorInfo, StepResult
+from scheduler_svc.api_types import EngineStats, GenerationChunk, GenerationRequest, ModelDescription, Usage
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.executor_client import ExecutorConnection, ExecutorUnavailable
 from scheduler_svc.request import FinishReason, Request
-from scheduler_svc.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import CapacityPolicy, RequestUpdate, Scheduler, SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.validation import InvalidRequest, Limits, build_request
 
@@ -42,6 +43,11 @@ class EngineLimits:
     max_num_tokens: int = 0
     max_seq_len: int = 0
     max_queue_size: int = 1024
+    overlap_scheduling: bool = True  # plan step N+1 while the executor runs step N
+    num_kv_blocks: int = 0  # use fewer KV blocks than the executor has (tests, benchmarks)
+    max_host_blocks: int = 0  # use fewer host-tier blocks than the executor has
+    capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+    enable_prefix_caching: bool = True
 
 
 @dataclass(slots=True)
@@ -70,20 +76,27 @@ class AsyncEngine:
     async def _attach(self) -> None:
         """Ask the executor for its capacity and size a fresh scheduler from it."""
         self.info = await self.executor.info()
-        lim = self.limits
+        lim, info = self.limits, self.info
+        num_kv_blocks = min(lim.num_kv_blocks or info.num_kv_blocks, info.num_kv_blocks)
         config = SchedulerConfig(
-            max_batch_size=min(lim.max_batch_size or self.info.max_batch_size, self.info.max_batch_size),
-            max_num_tokens=min(lim.max_num_tokens or self.info.max_num_tokens, self.info.max_num_tokens),
-            tokens_per_block=self.info.tokens_per_block,
-            num_kv_blocks=self.info.num_kv_blocks,
-            max_seq_len=min(lim.max_seq_len or self.info.max_seq_len, self.info.max_seq_len),
+            max_batch_size=min(lim.max_batch_size or info.max_batch_size, info.max_batch_size),
+            max_num_tokens=min(lim.max_num_tokens or info.max_num_tokens, info.max_num_tokens),
+            tokens_per_block=info.tokens_per_block,
+            num_kv_blocks=num_kv_blocks,
+            # A sequence must fit in the pool, also when the pool is cut below the executor's.
+            max_seq_len=min(lim.max_seq_len or info.max_seq_len, info.max_seq_len, num_kv_blocks * info.tokens_per_block),
+            capacity_policy=lim.capacity_policy,
+            enable_prefix_caching=lim.enable_prefix_caching,
+            num_host_blocks=min(lim.max_host_blocks or info.num_host_blocks, info.num_host_blocks),
         )
         self.scheduler = Scheduler(config)
         self._healthy = True
         log.info(
-            "attached to executor: %s on %s, %d KV blocks of %d tokens, max_batch_size=%d max_num_tokens=%d max_seq_len=%d",
-            self.info.model, self.info.device, config.num_kv_blocks, config.tokens_per_block,
-            config.max_batch_size, config.max_num_tokens, config.max_seq_len,
+            "attached to executor: %s on %s, %d KV blocks of %d tokens (+%d host), max_batch_size=%d max_num_tokens=%d "
+            "max_seq_len=%d, %s, prefix caching %s",
+            self.info.model, self.info.device, config.num_kv_blocks, config.tokens_per_block, config.num_host_blocks,
+            config.max_batch_size, config.max_num_tokens, config.max_seq_len, config.capacity_policy.value,
+            "on" if config.enable_prefix_caching else "off",
         )
 
     async def stop(self) -> None:
@@ -107,7 +120,18 @@ class AsyncEngine:
             max_batch_size=cfg.max_batch_size, max_num_tokens=cfg.max_num_tokens,
             tokens_per_block=cfg.tokens_per_block, num_kv_blocks=cfg.num_kv_blocks,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids), has_chat_template=self.tokenizer.has_chat_template,
-            device=self.info.device,
+            device=self.info.device, capacity_policy=cfg.capacity_policy.value, prefix_caching=cfg.enable_prefix_caching,
+            num_host_blocks=cfg.num_host_blocks,
+        )
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        if scheduler is None:
+            return EngineStats(0, 0, self.num_steps, executor_ready=False)
+        return EngineStats(
+            num_running_requests=len(scheduler.running), num_waiting_requests=len(scheduler.waiting),
+            num_steps=self.num_steps, executor_ready=self.healthy, num_preemptions=scheduler.num_preemptions,
+            kv=scheduler.kv.stats(),
         )
 
     def limits_for_validation(self) -> Limits:
@@ -160,23 +184,32 @@ class AsyncEngine:
     # -- the step loop ---------------------------------------------------------
 
     async def _loop(self) -> None:
+        # Plans sent and not answered yet, oldest first. With overlap on, the next step is
+        # planned and sent while the executor runs the current one: the scheduler counts
+        # the token each running request will get as held, the executor feeds it in itself,
+        # and neither side waits for the other between steps.
+        in_flight: deque[asyncio.Future[StepResult]] = deque()
+        depth = 2 if self.limits.overlap_scheduling else 1
         while True:
             scheduler = self.scheduler
             assert scheduler is not None
-            if not scheduler.has_work:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            plan = scheduler.schedule()
-            if plan.is_empty:
-                # Nothing could be scheduled (e.g. the queue head waits for blocks
-                # that only a finishing request frees): wait for a change.
+            if len(in_flight) < depth and scheduler.has_work:
+                plan = scheduler.schedule()
+                if not plan.is_empty:
+                    in_flight.append(asyncio.ensure_future(self.executor.step(plan)))
+                    continue  # room for one more in flight? plan it now
+            if not in_flight:
+                # Nothing to run (or nothing could be scheduled, e.g. the queue head waits
+                # for blocks that only a finishing request frees): wait for a change.
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             try:
-                result = await self.executor.step(plan)
+                result = await in_flight.popleft()
             except ExecutorUnavailable as exc:
+                for pending in in_flight:  # they went down with the same stream
+                    pending.cancel()
+                in_flight.clear()
                 await self._executor_lost(str(exc))
                 continue
             self.num_steps += 1
@@ -201,7 +234,10 @@ class AsyncEngine:
         stream.queue.put_nowait(
             GenerationChunk(
                 request.request_id, update.new_token_ids, text, finish_reason=reason,
-                usage=Usage(request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens),
+                usage=Usage(
+                    request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
+                    request.not_reused, request.num_preemptions,
+                ),
                 error=request.error,
             )
         )

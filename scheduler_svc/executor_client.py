@@ -8,6 +8,8 @@ in-process runner into the same interface from above.
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from typing import Protocol
 
 import grpc
@@ -27,7 +29,9 @@ class ExecutorUnavailable(RuntimeError):
 class ExecutorConnection(Protocol):
     async def info(self) -> ExecutorInfo: ...
 
-    async def step(self, plan: StepPlan) -> StepResult: ...
+    async def step(self, plan: StepPlan) -> StepResult:
+        """The result of ``plan``. Several calls may be outstanding; results come in plan order."""
+        ...
 
     async def close(self) -> None: ...
 
@@ -48,6 +52,10 @@ class GrpcExecutorConnection:
         )
         self._stub = ex_grpc.ExecutorStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
+        # Plans written and not answered yet, oldest first; one reader task answers them.
+        self._waiting: deque[asyncio.Future[StepResult]] = deque()
+        self._reader: asyncio.Task[None] | None = None
+        self._write_lock: asyncio.Lock | None = None  # gRPC allows one write in progress per stream
 
     async def info(self) -> ExecutorInfo:
         """Waits (up to connect_timeout_s) for the executor to come up: it may still be loading."""
@@ -58,21 +66,52 @@ class GrpcExecutorConnection:
         return wire.info_from_pb(reply)
 
     async def step(self, plan: StepPlan) -> StepResult:
+        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
         try:
             if self._call is None:
                 self._call = self._stub.Step(wait_for_ready=True)
-            await self._call.write(wire.plan_to_pb(plan))
-            reply = await self._call.read()
+                self._reader = asyncio.create_task(self._read_results(self._call), name="inflight-step-results")
+            if self._write_lock is None:
+                self._write_lock = asyncio.Lock()
+            call = self._call
+            self._waiting.append(future)
+            message = wire.plan_to_pb(plan)
+            async with self._write_lock:  # writes stay in plan order: the lock wakes waiters first come, first served
+                await call.write(message)
         except grpc.aio.AioRpcError as exc:
-            self._call = None
-            raise ExecutorUnavailable(f"executor at {self.address}: {exc.code().name}: {exc.details()}") from exc
-        if reply is grpc.aio.EOF:
-            self._call = None
-            raise ExecutorUnavailable(f"executor at {self.address} closed the step stream")
-        return wire.result_from_pb(reply)
+            self._fail(f"executor at {self.address}: {exc.code().name}: {exc.details()}")
+        return await future
 
-    async def close(self) -> None:
+    async def _read_results(self, call: grpc.aio.StreamStreamCall) -> None:
+        try:
+            while True:
+                reply = await call.read()
+                if reply is grpc.aio.EOF:
+                    self._fail(f"executor at {self.address} closed the step stream", call)
+                    return
+                if self._waiting:
+                    future = self._waiting.popleft()
+                    if not future.done():
+                        future.set_result(wire.result_from_pb(reply))
+        except grpc.aio.AioRpcError as exc:
+            self._fail(f"executor at {self.address}: {exc.code().name}: {exc.details()}", call)
+        except asyncio.CancelledError:
+            self._fail(f"executor at {self.address}: connection closed", call)
+
+    def _fail(self, message: str, call: grpc.aio.StreamStreamCall | None = None) -> None:
+        """The stream is gone: every outstanding step fails, and the next one opens a new stream."""
+        if call is not None and call is not self._call:
+            return  # an older stream's reader, already replaced
         if self._call is not None:
             self._call.cancel()
-            self._call = None
+        self._call = None
+        while self._waiting:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_exception(ExecutorUnavailable(message))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._fail(f"executor at {self.address}: connection closed")
         await self._channel.close()

@@ -5,6 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvcache.block_hash import BlockHashes
+from kvcache.eviction_queue import KvCacheRetention
+from kvcache.reuse_stats import NotReusedTokens
 from protos.plan import SamplingConfig
 
 
@@ -53,7 +56,17 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str = ""
-    sent_to_executor: bool = False  # False until its NewRequest has been planned
+    sent_to_executor: bool = False  # False until its NewRequest has been planned (again, after a preemption)
+    priority: int = 0  # higher is admitted first; lower is preempted first
+    cache_salt: str = ""  # prefix-cache isolation: blocks are shared only under the same salt
+    retention: KvCacheRetention | None = None  # keep the blocks of a prefix cached longer
+    block_hashes: BlockHashes | None = None  # chained hashes of its full blocks (set by the scheduler)
+    not_reused: NotReusedTokens | None = None  # why prompt tokens were computed (set at first admission)
+    num_preemptions: int = 0
+    # Tokens that steps already sent to the executor will sample for it. With overlapped
+    # scheduling the next step is planned before the last result is back; the executor
+    # feeds those tokens in itself, so they count as held tokens when planning.
+    num_pending_outputs: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,14 +50,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         return wire.model_info_to_pb(self.engine.describe())
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        scheduler = self.engine.scheduler
-        if scheduler is None:
-            return pb.StatsResponse(executor_ready=False)
-        return pb.StatsResponse(
-            num_running_requests=len(scheduler.running), num_waiting_requests=len(scheduler.waiting),
-            num_free_kv_blocks=scheduler.kv.num_free_blocks, num_kv_blocks=scheduler.kv.num_blocks,
-            num_steps=self.engine.num_steps, executor_ready=self.engine.healthy,
-        )
+        return wire.stats_to_pb(self.engine.stats())
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from kvcache.eviction_queue import MAX_RETENTION_PRIORITY, MIN_RETENTION_PRIORITY
 from protos.plan import SamplingConfig
 from scheduler_svc.api_types import GenerationRequest
 from scheduler_svc.request import Request, StoppingParams
@@ -19,6 +20,8 @@ from scheduler_svc.tokenizer import ChatTemplateError, Tokenizer
 _ROLES = ("system", "user", "assistant", "tool")
 _MAX_STOP_STRINGS = 16
 _MAX_STOP_LEN = 256
+_MAX_PRIORITY = 100
+_MAX_SALT_LEN = 256
 
 
 class InvalidRequest(ValueError):
@@ -100,6 +103,16 @@ def build_request(req: GenerationRequest, tokenizer: Tokenizer, limits: Limits) 
     bad = [t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size]
     _check(not bad, "stopping.stop_token_ids", f"ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
 
+    _check(-_MAX_PRIORITY <= req.priority <= _MAX_PRIORITY, "priority", f"must be in [-{_MAX_PRIORITY}, {_MAX_PRIORITY}], got {req.priority}")
+    _check(len(req.cache_salt) <= _MAX_SALT_LEN, "cache_salt", f"at most {_MAX_SALT_LEN} characters")
+    retention = req.kv_cache_retention
+    if retention is not None:
+        _check(
+            MIN_RETENTION_PRIORITY <= retention.priority <= MAX_RETENTION_PRIORITY, "kv_cache_retention.priority",
+            f"must be in [{MIN_RETENTION_PRIORITY}, {MAX_RETENTION_PRIORITY}], got {retention.priority}",
+        )
+        _check(retention.num_prefix_tokens >= 0, "kv_cache_retention.num_prefix_tokens", f"must be >= 0, got {retention.num_prefix_tokens}")
+
     request_id = req.request_id or secrets.token_hex(8)
     _check(len(request_id) <= 128, "request_id", "at most 128 characters")
     seed = secrets.randbits(63) if req.seed is None else req.seed
@@ -119,6 +132,9 @@ def build_request(req: GenerationRequest, tokenizer: Tokenizer, limits: Limits) 
         ),
         eos_token_ids=tokenizer.eos_token_ids,
         arrival_time=time.monotonic(),
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+        retention=retention if retention is not None and retention.num_prefix_tokens > 0 else None,
     )
 
 

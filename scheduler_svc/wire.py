@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from protos import executor_pb2 as ex
 from protos import generation_pb2 as pb
+from kvcache.eviction_queue import KvCacheRetention
+from kvcache.reuse_stats import NotReusedTokens
 from protos.plan import ExecutorInfo, RequestOutput, SamplingConfig, StepPlan, StepResult
-from scheduler_svc.api_types import ChatMessage, GenerationChunk, GenerationRequest, ModelDescription
+from scheduler_svc.api_types import ChatMessage, EngineStats, GenerationChunk, GenerationRequest, ModelDescription
 from scheduler_svc.request import FinishReason
 
 _FINISH_TO_PB = {
@@ -51,6 +53,11 @@ def generation_request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     req.stop = list(t.stop)
     req.stop_token_ids = list(t.stop_token_ids)
     req.ignore_eos = t.ignore_eos
+    req.priority = msg.priority
+    req.cache_salt = msg.cache_salt
+    if msg.HasField("kv_cache_retention"):
+        r = msg.kv_cache_retention
+        req.kv_cache_retention = KvCacheRetention(num_prefix_tokens=r.num_prefix_tokens, priority=r.priority)
     return req
 
 
@@ -73,6 +80,32 @@ def chunk_to_pb(chunk: GenerationChunk) -> pb.GenerateResponse:
         msg.usage.prompt_tokens = chunk.usage.prompt_tokens
         msg.usage.completion_tokens = chunk.usage.completion_tokens
         msg.usage.cached_tokens = chunk.usage.cached_tokens
+        msg.usage.num_preemptions = chunk.usage.num_preemptions
+        if chunk.usage.not_reused is not None:
+            msg.usage.not_reused.CopyFrom(_not_reused_to_pb(chunk.usage.not_reused))
+    return msg
+
+
+def _not_reused_to_pb(n: NotReusedTokens) -> pb.NotReusedTokens:
+    return pb.NotReusedTokens(
+        prefix_shorter_than_block=n.prefix_shorter_than_block, evicted=n.evicted, salt_differs=n.salt_differs,
+        partial_last_block=n.partial_last_block, not_cached=n.not_cached, caching_disabled=n.caching_disabled,
+    )
+
+
+def stats_to_pb(stats: EngineStats) -> pb.StatsResponse:
+    msg = pb.StatsResponse(
+        num_running_requests=stats.num_running_requests, num_waiting_requests=stats.num_waiting_requests,
+        num_steps=stats.num_steps, executor_ready=stats.executor_ready, num_preemptions=stats.num_preemptions,
+    )
+    kv = stats.kv
+    if kv is not None:
+        msg.num_free_kv_blocks, msg.num_kv_blocks, msg.num_cached_kv_blocks = kv.num_free_blocks, kv.num_blocks, kv.num_cached_free_blocks
+        msg.prefix_cache_query_tokens, msg.prefix_cache_hit_tokens = kv.query_tokens, kv.hit_tokens
+        msg.not_reused.CopyFrom(_not_reused_to_pb(kv.not_reused))
+        msg.num_host_blocks, msg.num_cached_host_blocks = kv.num_host_blocks, kv.num_cached_host_blocks
+        msg.num_evicted_blocks = kv.num_evicted_blocks
+        msg.num_swapped_out_blocks, msg.num_swapped_in_blocks = kv.num_swapped_out_blocks, kv.num_swapped_in_blocks
     return msg
 
 
@@ -82,6 +115,7 @@ def model_info_to_pb(info: ModelDescription) -> pb.ModelInfoResponse:
         max_batch_size=info.max_batch_size, max_num_tokens=info.max_num_tokens,
         tokens_per_block=info.tokens_per_block, num_kv_blocks=info.num_kv_blocks,
         eos_token_ids=info.eos_token_ids, has_chat_template=info.has_chat_template, device=info.device,
+        capacity_policy=info.capacity_policy, prefix_caching=info.prefix_caching, num_host_blocks=info.num_host_blocks,
     )
 
 
@@ -98,7 +132,11 @@ def _sampling_to_pb(s: SamplingConfig) -> ex.SamplingConfig:
 
 
 def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
-    msg = ex.StepPlan(step_id=plan.step_id, finished_request_ids=plan.finished_request_ids)
+    msg = ex.StepPlan(
+        step_id=plan.step_id, finished_request_ids=plan.finished_request_ids,
+        swap_out=[ex.BlockCopy(device_block=c.device_block, host_slot=c.host_slot) for c in plan.swap_out],
+        swap_in=[ex.BlockCopy(device_block=c.device_block, host_slot=c.host_slot) for c in plan.swap_in],
+    )
     for r in plan.new_requests:
         msg.new_requests.append(
             ex.NewRequest(
@@ -134,4 +172,5 @@ def info_from_pb(msg: ex.InfoResponse) -> ExecutorInfo:
         model=msg.model, vocab_size=msg.vocab_size, num_kv_blocks=msg.num_kv_blocks,
         tokens_per_block=msg.tokens_per_block, max_batch_size=msg.max_batch_size,
         max_num_tokens=msg.max_num_tokens, max_seq_len=msg.max_seq_len, device=msg.device, dtype=msg.dtype,
+        num_host_blocks=msg.num_host_blocks,
     )

@@ -5,9 +5,9 @@ from scheduler_svc.request import FinishReason, Request, StoppingParams
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, first_token: int = 1) -> Request:
     return Request(
-        request_id=rid, prompt_token_ids=list(range(1, prompt_len + 1)), sampling=SamplingConfig(temperature=0.0),
+        request_id=rid, prompt_token_ids=list(range(first_token, first_token + prompt_len)), sampling=SamplingConfig(temperature=0.0),
         stopping=StoppingParams(max_tokens=max_tokens), eos_token_ids=frozenset({0}), arrival_time=0.0,
     )
 
@@ -60,7 +60,7 @@ def test_generation_first_then_context_and_token_budget_respected():
 def test_guaranteed_no_evict_waits_for_blocks_and_frees_on_finish():
     s = make_scheduler(num_kv_blocks=4, max_num_tokens=512)
     s.add_request(make_request("a", 40, max_tokens=8))  # 48 tokens -> 3 blocks
-    s.add_request(make_request("b", 20, max_tokens=8))  # 28 tokens -> 2 blocks: must wait
+    s.add_request(make_request("b", 20, max_tokens=8, first_token=1000))  # 28 tokens -> 2 blocks: must wait
     plan = s.schedule()
     assert [r.request_id for r in plan.new_requests] == ["a"]
     assert [r.request_id for r in s.waiting] == ["b"]
@@ -102,3 +102,114 @@ def test_max_batch_size_caps_running_requests():
         s.add_request(make_request(str(i), 5))
     plan = s.schedule()
     assert len(plan.new_requests) == 2 and len(s.waiting) == 2
+
+
+# -- priorities, prefix hits and preemption ---------------------------------------------
+
+from scheduler_svc.request import RequestStatus  # noqa: E402
+from scheduler_svc.scheduler import CapacityPolicy  # noqa: E402
+
+MAX_UTIL = CapacityPolicy.MAX_UTILIZATION
+
+
+def with_priority(request: Request, priority: int) -> Request:
+    request.priority = priority
+    return request
+
+
+def answer_all(plan, token: int = 5) -> StepResult:
+    """Like ``answer``, for plans whose NewRequests may be resumed ones (prompt + output)."""
+    outputs = [
+        RequestOutput(r.request_id, [token] if r.num_computed_tokens + r.num_scheduled_tokens == len(r.token_ids) else [])
+        for r in plan.new_requests
+    ]
+    outputs += [RequestOutput(c.request_id, [token]) for c in plan.cached_requests]
+    return StepResult(plan.step_id, outputs)
+
+
+def run_to_end(s: Scheduler, max_steps: int = 500) -> list:
+    plans = []
+    for _ in range(max_steps):
+        if not s.has_work:
+            return plans
+        plan = s.schedule()
+        plans.append(plan)
+        s.update(answer_all(plan))
+    raise AssertionError("requests did not finish")
+
+
+def test_waiting_queue_orders_by_priority_then_arrival():
+    s = make_scheduler(max_batch_size=1)
+    for rid, priority in [("low", 0), ("high", 5), ("mid", 1), ("high2", 5)]:
+        s.add_request(with_priority(make_request(rid, 5, first_token=100 * len(rid) + priority), priority))
+    assert [r.request_id for r in s.waiting] == ["high", "high2", "mid", "low"]
+    assert [r.request_id for r in s.schedule().new_requests] == ["high"]
+
+
+def test_prefix_hit_starts_a_request_at_its_cached_prefix():
+    s = make_scheduler(tokens_per_block=4)
+    s.add_request(make_request("a", 10))
+    s.update(answer_all(s.schedule()))  # a's prompt is computed: its 2 full blocks are cached
+    s.add_request(make_request("b", 10))
+    new = s.schedule().new_requests[0]
+    assert new.request_id == "b" and new.num_computed_tokens == 8 and new.num_scheduled_tokens == 2
+    assert new.block_ids[:2] == s.kv.block_table("a")[:2]
+    assert s.requests["b"].num_cached_tokens == 8
+
+
+def test_max_utilization_preempts_lowest_priority_then_least_work_and_resumes():
+    # 6 blocks of 4 tokens; three requests of 6 + 10 tokens (4 blocks each) cannot all fit.
+    s = make_scheduler(tokens_per_block=4, num_kv_blocks=6, capacity_policy=MAX_UTIL)
+    s.add_request(with_priority(make_request("a", 6, max_tokens=10, first_token=100), 1))
+    s.add_request(make_request("b", 6, max_tokens=10, first_token=200))
+    s.add_request(make_request("c", 7, max_tokens=10, first_token=300))  # more work computed than b
+    plans = run_to_end(s)
+    first_victim = next(rid for p in plans for rid in p.finished_request_ids)
+    assert first_victim == "b"  # lowest priority, least computed
+    assert s.num_preemptions >= 1
+    # b came back as a NewRequest carrying its output so far (from whatever prefix is still cached).
+    resumed = [r for p in plans for r in p.new_requests if r.request_id == "b" and r.num_prompt_tokens < len(r.token_ids)]
+    assert resumed and resumed[0].token_ids[:6] == list(range(200, 206)) and resumed[0].num_computed_tokens % 4 == 0
+    assert s.kv.num_free_blocks == 6 and not s.kv.check_consistency()
+
+
+def test_guaranteed_no_evict_never_preempts():
+    s = make_scheduler(tokens_per_block=4, num_kv_blocks=6)
+    for rid, first in (("a", 100), ("b", 200), ("c", 300)):
+        s.add_request(make_request(rid, 6, max_tokens=10, first_token=first))
+    plans = run_to_end(s)
+    assert s.num_preemptions == 0
+    assert sorted(r.request_id for p in plans for r in p.new_requests) == ["a", "b", "c"]  # each sent once
+    assert s.kv.num_free_blocks == 6
+
+
+def test_higher_priority_arrival_preempts_only_under_max_utilization():
+    for policy in (MAX_UTIL, CapacityPolicy.GUARANTEED_NO_EVICT):
+        s = make_scheduler(tokens_per_block=4, num_kv_blocks=4, capacity_policy=policy)
+        s.add_request(make_request("low", 8, max_tokens=8, first_token=100))  # 4 blocks over its life
+        s.update(answer_all(s.schedule()))
+        s.add_request(with_priority(make_request("urgent", 8, max_tokens=4, first_token=200), 10))
+        plan = s.schedule()
+        if policy is MAX_UTIL:
+            assert [r.request_id for r in plan.new_requests] == ["urgent"] and plan.finished_request_ids == ["low"]
+            assert s.requests["low"].status is RequestStatus.WAITING and s.waiting.peek().request_id == "low"
+        else:
+            assert not plan.new_requests and s.waiting.peek().request_id == "urgent"
+        s.update(answer_all(plan))
+        plans = run_to_end(s)
+        if policy is MAX_UTIL:  # low resumes from the part of its prompt that is still cached
+            (resumed,) = [r for p in plans for r in p.new_requests if r.request_id == "low"]
+            assert resumed.num_computed_tokens == 4 and resumed.token_ids == list(range(100, 108)) + [5]
+        assert s.kv.num_free_blocks == 4 and not s.kv.check_consistency()
+
+
+def test_preempted_then_cancelled_request_leaves_nothing_behind():
+    s = make_scheduler(tokens_per_block=4, num_kv_blocks=4, capacity_policy=MAX_UTIL)
+    s.add_request(make_request("low", 8, max_tokens=8, first_token=100))
+    s.update(answer_all(s.schedule()))
+    s.add_request(with_priority(make_request("urgent", 8, max_tokens=4, first_token=200), 10))
+    s.update(answer_all(s.schedule()))  # low preempted
+    s.finish_request("low", FinishReason.CANCELLED)
+    plans = run_to_end(s)
+    assert all(r.request_id != "low" for p in plans for r in p.new_requests)
+    assert s.kv.num_free_blocks == 4 and not s.kv.check_consistency() and not s.requests

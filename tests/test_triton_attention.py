@@ -153,9 +153,9 @@ def test_mixed_step_as_the_runner_packs_it(tokens_per_block):
     assert query_tiles(meta, key[1], q.device) is meta.derived[key]
 
 
-@pytest.mark.parametrize("head_dim", [96, 128, 256])
+@pytest.mark.parametrize("head_dim", [96, 128])
 def test_other_head_dims(head_dim):
-    # Llama (128), Gemma-3 (256, 4 heads on 1 KV head), and one that is not a power of two.
+    # Llama (128) and one that is not a power of two, 4 heads on 1 KV head.
     q, k, v, meta = make_step([(20, 12), (40, 1)], 4, 1, head_dim, 16, seed=head_dim)
     scale = head_dim**-0.5
     assert_matches(paged_attention_triton(q, k, v, meta, scale), reference(q, k, v, meta, scale), q.dtype)
@@ -170,8 +170,8 @@ def test_half_precision_inputs(dtype):
 
 
 def test_refuses_head_dims_it_cannot_hold():
-    q, k, v, meta = make_step([(3, 1)], 2, 1, 512, 16)
-    with pytest.raises(ValueError, match="head_dim <= 256"):
+    q, k, v, meta = make_step([(3, 1)], 2, 1, 256, 16)  # Gemma-3's head_dim: the torch plugin serves it
+    with pytest.raises(ValueError, match="head_dim <= 128"):
         paged_attention_triton(q, k, v, meta, 0.05)
 
 

@@ -81,7 +81,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """
     from executor_svc.model.llama import RMSNorm
 
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the parameters' device: on a GPU, an 8B model's weights take seconds, not minutes.
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         norm_weights = {id(m.weight): 1.0 - m.weight_offset for m in model.modules() if isinstance(m, RMSNorm)}
         for param in model.parameters():
@@ -89,5 +90,8 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
                 param.fill_(norm_weights[id(param)])
             else:
                 fan_in = param.shape[-1]
-                values = torch.randn(param.shape, generator=generator) * fan_in**-0.5
+                generator = generators.get(param.device)
+                if generator is None:
+                    generator = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                values = torch.randn(param.shape, generator=generator, device=param.device) * fan_in**-0.5
                 param.copy_(values.to(param.dtype))

@@ -1,0 +1,382 @@
+"""Offline throughput in the style of trtllm-bench, batch-1 decode against the bandwidth limit,
+and GPU idle time between steps; Hugging Face ``generate`` as the peer in the same run.
+
+Every scenario (fixed input/output lengths, all requests submitted at once, greedy,
+EOS ignored) runs through the real scheduler and executor:
+  * ``inprocess``: the scheduler's step loop and the executor's runner in one process,
+    joined by the in-process executor connection (what the offline LLM API uses);
+  * ``grpc``: ``inflight serve`` (scheduler + executor processes, gRPC between them and
+    to the client), driven by the async Python client.
+
+Example (H200, Llama-3.1-8B shape, random weights):
+  python bench/offline_throughput.py --shape llama-3.1-8b --device cuda --output bench/results/h200_offline_llama8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_common import REPO, device_info, free_port, git_info, log, pct  # noqa: E402
+from model_shapes import SHAPES, kv_bytes_per_token, shape_folder, weight_bytes  # noqa: E402
+
+
+def parse_scenarios(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]  # type: ignore[misc]
+
+
+def synthetic_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    """Deterministic token ids away from the special tokens at both ends of the vocabulary."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, min(vocab, 32000), (count, length), generator=gen).tolist()
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def build_engine_dir(args) -> tuple[Path, dict]:
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_cached
+    from inflight.model_store import default_cache_dir, resolve_model
+
+    if args.shape:
+        checkpoint, config = shape_folder(args.shape, default_cache_dir(), args.tokenizer_from), SHAPES[args.shape]
+    else:
+        checkpoint = resolve_model(args.model)
+        config = json.loads((checkpoint / "config.json").read_text())
+    longest = max(i + o for i, o in parse_scenarios(args.scenarios) + [tuple(args.batch1)])
+    build = BuildConfig(
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
+        max_seq_len=args.max_seq_len or longest, dtype=args.dtype,
+        plugin_config=dict(item.split("=", 1) for item in args.plugin),
+    )
+    engine_dir = build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
+    return engine_dir, config
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+async def _run_requests(submit, prompts: list[list[int]], output_len: int, desc: str) -> dict:
+    """Submit every prompt at once; wall time from the first submit to the last token."""
+    first_token_at: list[float] = []
+    token_times: list[list[float]] = []
+    with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
+        async def one(prompt: list[int]) -> int:
+            times: list[float] = []
+            count = 0
+            async for token_ids in submit(prompt, output_len):
+                now = time.perf_counter()
+                times.extend([now] * len(token_ids))
+                count += len(token_ids)
+                bar.update(len(token_ids))
+            first_token_at.append(times[0] - started)
+            token_times.append(times)
+            return count
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(p) for p in prompts))
+        wall = time.perf_counter() - started
+    total = sum(counts)
+    assert total == len(prompts) * output_len, f"expected {len(prompts) * output_len} tokens, got {total}"
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1]
+    return {
+        "num_requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
+        "wall_s": wall, "output_tokens_per_s": total / wall,
+        "total_tokens_per_s": (total + sum(map(len, prompts))) / wall,
+        "ttft_ms": {"p50": pct([x * 1e3 for x in first_token_at], 50), "p99": pct([x * 1e3 for x in first_token_at], 99)},
+        "tpot_ms": {"p50": pct([x * 1e3 for x in tpot], 50), "p99": pct([x * 1e3 for x in tpot], 99)},
+    }
+
+
+def measure_copy_bandwidth(device: str, gib: float = 4.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted, as memory traffic)."""
+    import torch
+
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    reps = 10
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    del src, dst
+    return 2 * n * 2 / seconds
+
+
+def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
+    import torch
+
+    from executor_svc.engine import RuntimeConfig, load_engine
+    from inflight.inprocess import InProcessExecutor
+    from scheduler_svc.api_types import GenerationRequest
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    engine = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction,
+                                                    cuda_graphs=not args.enforce_eager))
+    result["engine"] = {
+        "load_s": time.perf_counter() - t0, "num_kv_blocks": engine.num_kv_blocks, "tokens_per_block": engine.tokens_per_block,
+        "kernels": {k: c.name for k, c in engine.manifest.plugins.items()},
+        "kernel_timings_us": {k: c.timings_us for k, c in engine.manifest.plugins.items()},
+        "cuda_graphs": engine.decode_graphs is not None,
+        "max_batch_size": engine.max_batch_size, "max_num_tokens": engine.max_num_tokens, "max_seq_len": engine.max_seq_len,
+    }
+    tokenizer = Tokenizer(engine_dir)
+
+    async def start(overlap: bool) -> tuple[AsyncEngine, InProcessExecutor]:
+        executor = InProcessExecutor(engine)
+        async_engine = AsyncEngine(executor, tokenizer, EngineLimits(max_queue_size=1 << 20, overlap_scheduling=overlap))
+        await async_engine.start()
+        return async_engine, executor
+
+    def submitter(async_engine: AsyncEngine):
+        async def submit(prompt: list[int], output_len: int):
+            request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
+            async for chunk in async_engine.generate(request):
+                yield chunk.token_ids
+
+        return submit
+
+    async def scenario(submit, timeline, in_len: int, out_len: int, label: str) -> dict:
+        count = args.num_requests if out_len <= 256 else args.num_requests_long
+        prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
+        if timeline is not None:
+            timeline.steps.clear()
+        result_ = await _run_requests(submit, prompts, out_len, f"{label} {in_len}/{out_len}")
+        if timeline is not None:
+            result_["gpu_timeline_full_batch"] = timeline.summary(min_requests=engine.max_batch_size)
+            result_["gpu_timeline_all_steps"] = timeline.summary()
+        log(f"{label} {in_len}/{out_len}: {result_['output_tokens_per_s']:.0f} output tok/s" + (
+            f", GPU idle {result_['gpu_timeline_full_batch']['idle_fraction']:.1%} of full-batch steps"
+            if timeline is not None and result_["gpu_timeline_full_batch"]["idle_fraction"] is not None else ""))
+        return result_
+
+    async def main() -> None:
+        async_engine, executor = await start(overlap=True)
+        submit, timeline = submitter(async_engine), executor.runner.timeline
+        try:
+            # Warm-up: compiles whatever the first real steps would.
+            await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "warm-up")
+            # Batch 1: time per output token against the memory-bandwidth limit.
+            in_len, out_len = args.batch1
+            one = await _run_requests(submit, synthetic_prompts(1, in_len, 1, config["vocab_size"]), out_len, "batch 1")
+            if args.device.startswith("cuda"):
+                bandwidth = measure_copy_bandwidth(args.device)
+                mean_context = in_len + out_len / 2
+                step_bytes = weight_bytes(config) + kv_bytes_per_token(config) * mean_context
+                limit_ms = step_bytes / bandwidth * 1e3
+                one["bandwidth_limit"] = {
+                    "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes(config),
+                    "kv_bytes_per_step_mean": kv_bytes_per_token(config) * mean_context,
+                    "limit_ms_per_token": limit_ms, "tpot_over_limit": one["tpot_ms"]["p50"] / limit_ms,
+                }
+            result["batch1"] = one
+            log(f"batch 1: {one['tpot_ms']['p50']:.2f} ms/token" + (
+                f" ({one['bandwidth_limit']['tpot_over_limit']:.2f}x the bandwidth limit)" if "bandwidth_limit" in one else ""))
+            for in_len, out_len in parse_scenarios(args.scenarios):
+                result["inprocess"][f"{in_len}x{out_len}"] = await scenario(submit, timeline, in_len, out_len, "inprocess")
+        finally:
+            await async_engine.stop()
+        # The same scenarios one step at a time: what overlapping the host work with the GPU's buys.
+        if args.no_overlap_scenarios:
+            async_engine, executor = await start(overlap=False)
+            try:
+                for in_len, out_len in parse_scenarios(args.no_overlap_scenarios):
+                    result["inprocess_no_overlap"][f"{in_len}x{out_len}"] = await scenario(
+                        submitter(async_engine), executor.runner.timeline, in_len, out_len, "inprocess, no overlap")
+            finally:
+                await async_engine.stop()
+
+    asyncio.run(main())
+    if engine.decode_graphs is not None:
+        result["engine"]["graph_replays"] = engine.decode_graphs.num_replays
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+
+
+# --------------------------------------------------------------------------- gRPC
+
+
+def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
+    import os
+    import signal
+    import subprocess
+
+    from inflight.client import AsyncClient
+
+    port, executor_port = free_port(), free_port()
+    cmd = [
+        sys.executable, "-m", "inflight", "serve", "--model", str(engine_dir), "--device", args.device,
+        "--port", str(port), "--executor-port", str(executor_port), "--max-queue-size", str(1 << 20),
+        "--kv-cache-fraction", str(args.kv_cache_fraction), *(["--enforce-eager"] if args.enforce_eager else []),
+    ]
+    log_path = Path(args.server_log)
+    log(f"starting {' '.join(cmd)} (log {log_path})")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            async def main() -> None:
+                async with AsyncClient(f"127.0.0.1:{port}") as client:
+                    deadline = time.monotonic() + args.startup_timeout
+                    while True:
+                        if proc.poll() is not None:
+                            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+                        try:
+                            await client.wait_ready(timeout=2.0)
+                            if (await client.stats()).executor_ready:
+                                break
+                        except Exception:
+                            if time.monotonic() > deadline:
+                                raise
+                        await asyncio.sleep(1.0)
+
+                    async def submit(prompt: list[int], output_len: int):
+                        async for chunk in client.generate_stream(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True):
+                            yield chunk.token_ids
+
+                    await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "grpc warm-up")
+                    for in_len, out_len in parse_scenarios(args.grpc_scenarios):
+                        count = args.num_requests if out_len <= 256 else args.num_requests_long
+                        prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
+                        scenario = await _run_requests(submit, prompts, out_len, f"grpc {in_len}/{out_len}")
+                        result["grpc"][f"{in_len}x{out_len}"] = scenario
+                        log(f"grpc {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
+
+            asyncio.run(main())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- peer
+
+
+def run_peer(args, checkpoint_config: dict, result: dict) -> None:
+    """transformers ``generate`` (eager, bf16, random weights of the same shape) at the peer batch sizes."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in checkpoint_config.items() if k != "architectures"})
+    dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    in_len, out_len = args.peer_lengths
+    peer = {"library": "transformers", "version": transformers.__version__, "input_len": in_len, "output_len": out_len, "batches": {}}
+    for batch in args.peer_batches:
+        ids = torch.tensor(synthetic_prompts(batch, in_len, 5, config.vocab_size), device=args.device)
+        kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)  # warm-up
+            torch.cuda.synchronize() if args.device.startswith("cuda") else None
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kwargs)
+            torch.cuda.synchronize() if args.device.startswith("cuda") else None
+            wall = time.perf_counter() - t0
+        assert out.shape[1] - in_len == out_len
+        peer["batches"][str(batch)] = {"wall_s": wall, "output_tokens_per_s": batch * out_len / wall}
+        log(f"transformers batch {batch} {in_len}/{out_len}: {batch * out_len / wall:.0f} output tok/s")
+    result["peer"] = peer
+    del model
+    gc.collect()
+    torch.cuda.empty_cache() if args.device.startswith("cuda") else None
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a known model's shape")
+    src.add_argument("--model", default="smollm2-135m-instruct", help="model name, Hugging Face folder or .gguf")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy with --shape, else auto")
+    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="with --shape: whose tokenizer to use")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--scenarios", default="128x128,128x2048,2048x128,2048x2048", help="INPUTxOUTPUT,...")
+    p.add_argument("--grpc-scenarios", default="128x128,2048x2048", help="scenarios also run through gRPC")
+    p.add_argument("--paths", default="inprocess,grpc")
+    p.add_argument("--no-overlap-scenarios", default="128x128", help="scenarios also run in-process without overlap")
+    p.add_argument("--num-requests", type=int, default=1024, help="requests per scenario with short outputs")
+    p.add_argument("--num-requests-long", type=int, default=512, help="requests per scenario with outputs > 256 tokens")
+    p.add_argument("--batch1", type=int, nargs=2, default=[128, 256], metavar=("IN", "OUT"))
+    p.add_argument("--peer-batches", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--peer-lengths", type=int, nargs=2, default=[128, 128], metavar=("IN", "OUT"))
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--max-seq-len", type=int, default=0, help="default: the longest scenario")
+    p.add_argument("--tokens-per-block", type=int, default=32)
+    p.add_argument("--kv-cache-fraction", type=float, default=0.9)
+    p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")
+    p.add_argument("--output", required=True)
+    args = p.parse_args(argv)
+    if args.load_format is None:
+        args.load_format = "dummy" if args.shape else "auto"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result: dict = {
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "git": git_info(), "system": device_info(args.device), "model": args.shape or args.model,
+        "load_format": args.load_format, "inprocess": {}, "inprocess_no_overlap": {}, "grpc": {},
+    }
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        output.write_text(json.dumps(result, indent=2) + "\n")
+
+    engine_dir, config = build_engine_dir(args)
+    paths = args.paths.split(",")
+    try:
+        if args.peer_batches:
+            run_peer(args, config, result)
+            save()
+        if "inprocess" in paths:
+            run_inprocess(args, engine_dir, config, result)
+            save()
+        if "grpc" in paths:
+            run_grpc(args, engine_dir, config, result)
+    finally:
+        peer64 = result.get("peer", {}).get("batches", {}).get("64")
+        inproc = result["inprocess"].get("128x128")
+        if peer64 and inproc:
+            result["ratio_128x128_over_hf_batch64"] = inproc["output_tokens_per_s"] / peer64["output_tokens_per_s"]
+        save()
+        log(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

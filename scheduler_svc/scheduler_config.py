@@ -1,0 +1,32 @@
+"""The scheduler's settings, and the capacity policies it can admit requests under
+(see ``scheduler.py`` for what each policy does)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class CapacityPolicy(enum.Enum):
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
+    MAX_UTILIZATION = "MAX_UTILIZATION"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_batch_size: int
+    max_num_tokens: int
+    tokens_per_block: int
+    num_kv_blocks: int
+    max_seq_len: int
+    capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+    enable_prefix_caching: bool = True
+    num_host_blocks: int = 0  # host tier of the prefix cache; 0 = none
+
+    def __post_init__(self) -> None:
+        if self.max_num_tokens < self.tokens_per_block:
+            raise ValueError(
+                f"max_num_tokens ({self.max_num_tokens}) must be at least tokens_per_block ({self.tokens_per_block})"
+            )
+        if self.max_batch_size <= 0:
+            raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
