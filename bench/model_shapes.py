@@ -38,7 +38,8 @@ SHAPES: dict[str, dict] = {
 def shape_folder(name: str, root: Path, tokenizer_from: str = "smollm2-135m-instruct") -> Path:
     """A config-only Hugging Face folder of shape ``name`` under ``root`` (made once).
 
-    ``tokenizer_from``: a model name, folder or .gguf whose tokenizer files are copied in.
+    ``tokenizer_from``: a folder holding tokenizer files, or a model name or .gguf whose
+    tokenizer files are copied in.
     """
     from inflight.model_store import resolve_model
 
@@ -47,7 +48,8 @@ def shape_folder(name: str, root: Path, tokenizer_from: str = "smollm2-135m-inst
     folder = root / f"shape-{name}"
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True, exist_ok=True)
-        tokenizer_source = resolve_model(tokenizer_from, progress=False)
+        given = Path(tokenizer_from).expanduser()
+        tokenizer_source = given if given.is_dir() else resolve_model(tokenizer_from, progress=False)
         for path in tokenizer_source.iterdir():
             if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
                 (folder / path.name).write_bytes(path.read_bytes())

@@ -167,6 +167,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         if timeline is not None:
             result_["gpu_timeline_full_batch"] = timeline.summary(min_requests=engine.max_batch_size)
             result_["gpu_timeline_all_steps"] = timeline.summary()
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")  # keep what is measured so far
         log(f"{label} {in_len}/{out_len}: {result_['output_tokens_per_s']:.0f} output tok/s" + (
             f", GPU idle {result_['gpu_timeline_full_batch']['idle_fraction']:.1%} of full-batch steps"
             if timeline is not None and result_["gpu_timeline_full_batch"]["idle_fraction"] is not None else ""))
@@ -196,6 +197,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
                 f" ({one['bandwidth_limit']['tpot_over_limit']:.2f}x the bandwidth limit)" if "bandwidth_limit" in one else ""))
             for in_len, out_len in parse_scenarios(args.scenarios):
                 result["inprocess"][f"{in_len}x{out_len}"] = await scenario(submit, timeline, in_len, out_len, "inprocess")
+                Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         finally:
             await async_engine.stop()
         # The same scenarios one step at a time: what overlapping the host work with the GPU's buys.

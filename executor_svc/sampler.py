@@ -98,6 +98,12 @@ class RequestSamplingState:
         return dict(self._counts) if self._counts is not None else {}
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether ``_adjust_logits`` may change a row (penalties, or min_tokens still blocking)."""
+        blocking = self._num_output < self.config.min_tokens and bool(self.config.min_tokens_blocked_ids)
+        return self._seen is not None or self._counts is not None or blocking
+
+    @property
     def needs_output_history(self) -> bool:
         """Whether sampling the next token reads the tokens emitted so far (penalties, min_tokens)."""
         blocking = self.config.min_tokens > 0 and bool(self.config.min_tokens_blocked_ids)
@@ -219,10 +225,12 @@ class Sampler:
         request's tokens depend only on its seed and its own logits, never on the batch.
         Nothing here waits for the device.
         """
-        logits = self.process_logits(logits, states)
-        device = logits.device
         greedy = [i for i, s in enumerate(states) if s.config.is_greedy]
         sampled = [i for i, s in enumerate(states) if not s.config.is_greedy]
+        if not sampled and not any(s.adjusts_logits for s in states):
+            return logits.argmax(dim=-1)  # the common greedy batch: no copy, no per-row work
+        logits = self.process_logits(logits, states)
+        device = logits.device
         if not sampled:
             return logits.argmax(dim=-1)
         chosen = torch.empty(len(states), dtype=torch.long, device=device)

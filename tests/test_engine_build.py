@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from executor_svc.build_config import BuildConfig, BuildConfigError
+from executor_svc.build_config import BuildConfig, BuildConfigError, QuantConfig
 from executor_svc.builder import build_cached, build_engine
 from executor_svc.engine import RuntimeConfig, load_engine
 from executor_svc.engine_file import MANIFEST_NAME, EngineMismatchError, read_manifest
@@ -36,6 +36,7 @@ def test_manifest_records_build(engine_dir):
     assert all(c.timings_us[c.name] > 0 for c in manifest.plugins.values())
     assert manifest.versions["torch"] == torch.__version__
     assert (engine_dir / "rank0.safetensors").exists() and (engine_dir / "tokenizer.json").exists()
+    assert manifest.quantization is None  # built without quantization or --validate: nothing to record
 
 
 def test_gpu_engine_refused_on_cpu(engine_dir, tmp_path):
@@ -57,6 +58,8 @@ def test_invalid_build_configs_are_rejected():
         (BuildConfig(tp_size=2), "tp_size"),
         (BuildConfig(plugin_config={"softmax": "torch"}), "unknown plugin kinds"),
         (BuildConfig(dtype="float8"), "dtype"),
+        (BuildConfig(quant_config=QuantConfig("INT2")), "quant_algo"),
+        (BuildConfig(quant_config=QuantConfig(kv_cache_quant_algo="FP8")), "kv_cache_quant_algo"),
     ]:
         with pytest.raises(BuildConfigError, match=field):
             bad.validate()
@@ -106,7 +109,8 @@ def test_cli_build_errors_and_inspect(model_dir, engine_dir, tmp_path):
         assert gpu_only.returncode == 2 and "cannot run on cpu" in gpu_only.stderr and not (tmp_path / "e").exists()
     info = run("inspect", str(engine_dir), "--layer-info")
     assert info.returncode == 0
-    assert "layers.29.attention" in info.stdout and "[Plugin] attention (torch, float32)" in info.stdout
+    chosen = read_manifest(engine_dir).plugins["attention"].name  # triton on a GPU, torch on the CPU
+    assert "layers.29.attention" in info.stdout and f"[Plugin] attention ({chosen}, float32)" in info.stdout
     assert "kernel selection" in info.stdout
     plugins = run("inspect", "--plugins")
     assert "rmsnorm" in plugins.stdout and "runs here" in plugins.stdout
