@@ -163,6 +163,10 @@ class AsyncEngine:
         try:
             while not finished:
                 chunk = await stream.queue.get()
+                # A reader that fell behind gets what piled up as one chunk: under load
+                # that is fewer messages to send, and nothing is lost or reordered.
+                while chunk.finish_reason is None and not stream.queue.empty():
+                    chunk = _merge(chunk, stream.queue.get_nowait())
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -264,3 +268,11 @@ class AsyncEngine:
             except ExecutorUnavailable as exc:
                 log.warning("executor still unavailable: %s", exc)
                 await asyncio.sleep(1.0)
+
+
+def _merge(first: GenerationChunk, second: GenerationChunk) -> GenerationChunk:
+    """``first`` followed by ``second``, as one chunk (the finish and usage are the later one's)."""
+    return GenerationChunk(
+        first.request_id, first.token_ids + second.token_ids, first.text + second.text,
+        finish_reason=second.finish_reason, usage=second.usage, error=second.error,
+    )
