@@ -10,12 +10,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from executor_svc.quantization.quant_mode import (
+    ACTIVATION_SCHEMES, KV_CACHE_QUANT_ALGOS, QUANT_ALGOS, QuantMode, QuantModeError, quant_mode_of,
+)
+
 # Layer kinds whose implementation is chosen at build time; "auto" times the
 # candidates that can run on the target and keeps the fastest.
 PLUGIN_KINDS = ("attention", "rmsnorm", "rope", "activation", "gemm")
+# The quantized GEMMs, one kind per weight/activation format; an engine chooses
+# (and records) only the kind its quant_algo uses.
+QUANT_PLUGIN_KINDS = ("gemm_w8a16", "gemm_w4a16", "gemm_w8a8", "gemm_fp8")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-QUANT_ALGOS = ("none",)  # filled in by the quantization work
-KV_CACHE_QUANT_ALGOS = ("none",)
+GROUP_SIZES = (32, 64, 128)
+# Embeddings are never quantized (they are lookups, not GEMMs); lm_head is
+# where a small error shifts every logit, so both stay in high precision.
+DEFAULT_EXCLUDE_MODULES = ("embed_tokens", "lm_head")
 
 
 class BuildConfigError(ValueError):
@@ -24,16 +33,71 @@ class BuildConfigError(ValueError):
 
 @dataclass(slots=True)
 class QuantConfig:
-    quant_algo: str = "none"
-    kv_cache_quant_algo: str = "none"
+    """How weights (and activations) are quantized; see executor_svc/quantization/."""
+
+    quant_algo: str = "none"  # none, W8A16, W4A16_AWQ, W8A8_SQ_PER_CHANNEL_PER_TOKEN, FP8
+    kv_cache_quant_algo: str = "none"  # only "none" is implemented
+    group_size: int = 128  # input channels per INT4 scale (W4A16_AWQ)
+    smoothquant_alpha: float = 0.5  # migration strength: 0 = all on activations, 1 = all on weights
+    activation_scheme: str = "dynamic"  # FP8 activation scales: per token at run time, or "static" per tensor
+    # fnmatch patterns of Linear module names kept in high precision ("layers.0.*",
+    # "*.down_proj"); "first_layer" / "last_layer" name the first / last decoder layer.
+    exclude_modules: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDE_MODULES))
+    calib_data: str = ""  # text file, one text per line; "" = the built-in stdlib docstring corpus
+    calib_size: int = 64  # calibration texts
+    calib_max_tokens: int = 512  # tokens kept per calibration text
+    awq_grid_size: int = 20  # alpha values tried by the AWQ scale search (and half as many clip factors)
+
+    @property
+    def quant_mode(self) -> QuantMode:
+        return quant_mode_of(self.quant_algo, self.kv_cache_quant_algo, self.activation_scheme)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether building runs the unquantized model over calibration texts."""
+        mode = self.quant_mode
+        return QuantMode.AWQ in mode or QuantMode.SMOOTHQUANT in mode or (
+            QuantMode.FP8_WEIGHTS in mode and self.activation_scheme == "static"
+        )
 
     def validate(self) -> None:
         if self.quant_algo not in QUANT_ALGOS:
-            raise BuildConfigError(f"quant_algo {self.quant_algo!r} is not supported; choose one of {QUANT_ALGOS}")
+            raise BuildConfigError(
+                f"quant_algo {self.quant_algo!r} is not supported; choose one of {list(QUANT_ALGOS)}"
+            )
         if self.kv_cache_quant_algo not in KV_CACHE_QUANT_ALGOS:
             raise BuildConfigError(
-                f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not supported; choose one of {KV_CACHE_QUANT_ALGOS}"
+                f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not supported; "
+                f"choose one of {list(KV_CACHE_QUANT_ALGOS)}"
             )
+        if self.kv_cache_quant_algo != "none":
+            raise BuildConfigError(
+                f"kv_cache_quant_algo {self.kv_cache_quant_algo!r}: KV-cache quantization is not implemented yet "
+                "(the attention kernels read a 16-bit cache); build with kv_cache_quant_algo 'none'"
+            )
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise BuildConfigError(f"activation_scheme {self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
+        mode = self.quant_mode
+        try:
+            mode.validate()
+        except QuantModeError as exc:
+            raise BuildConfigError(f"quant_algo {self.quant_algo!r}: {exc}") from None
+        if self.activation_scheme == "static" and QuantMode.FP8_WEIGHTS not in mode:
+            why = "uses per-token activation scales" if mode & QuantMode.ACTIVATIONS else "quantizes no activations"
+            raise BuildConfigError(f"activation_scheme 'static' applies to FP8 only; {self.quant_algo!r} {why}")
+        if QuantMode.PER_GROUP in mode and self.group_size not in GROUP_SIZES:
+            raise BuildConfigError(
+                f"group_size must be one of {GROUP_SIZES} for {self.quant_algo}, got {self.group_size}"
+            )
+        if not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise BuildConfigError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        for name in ("calib_size", "awq_grid_size"):
+            if getattr(self, name) <= 0:
+                raise BuildConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.calib_max_tokens < 2:
+            raise BuildConfigError(f"calib_max_tokens must be at least 2, got {self.calib_max_tokens}")
+        if not all(isinstance(p, str) and p for p in self.exclude_modules):
+            raise BuildConfigError(f"exclude_modules must be non-empty name patterns, got {self.exclude_modules}")
 
 
 @dataclass(slots=True)
@@ -65,9 +129,10 @@ class BuildConfig:
             raise BuildConfigError(f"dtype {self.dtype!r} is not one of {DTYPE_NAMES}")
         if self.tp_size != 1:
             raise BuildConfigError("tp_size > 1 (tensor parallelism) is not implemented yet; build with tp_size=1")
-        unknown = set(self.plugin_config) - set(PLUGIN_KINDS)
+        unknown = set(self.plugin_config) - set(PLUGIN_KINDS) - set(QUANT_PLUGIN_KINDS)
         if unknown:
-            raise BuildConfigError(f"unknown plugin kinds {sorted(unknown)}; kinds are {PLUGIN_KINDS}")
+            kinds = PLUGIN_KINDS + QUANT_PLUGIN_KINDS
+            raise BuildConfigError(f"unknown plugin kinds {sorted(unknown)}; kinds are {kinds}")
         self.quant_config.validate()
 
     def plugin_for(self, kind: str) -> str:

@@ -3,10 +3,11 @@
 The chain TensorRT-LLM users know: read the model definition, prepare the
 graph (fused q/k/v and gate/up projections, tied embeddings resolved, weights
 cast to the engine's dtype), choose an implementation per layer kind by
-timing the candidates on the target device, then serialize everything the
-runtime needs. Engines built from a checkpoint on the fly are cached under a
-key of the checkpoint, the build config and the device, so ``inflight serve``
-builds once.
+timing the candidates on the target device, quantize (calibrating first when
+the algorithm needs it, and checking perplexity with ``--validate``), then
+serialize everything the runtime needs. Engines built from a checkpoint on the
+fly are cached under a key of the checkpoint, the build config and the device,
+so ``inflight serve`` builds once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from safetensors.torch import save_model
 from tqdm import tqdm
 
-from executor_svc.build_config import BuildConfig
+from executor_svc.build_config import BuildConfig, BuildConfigError
 from executor_svc.engine_file import (
     WEIGHTS_NAME, DeviceSignature, EngineManifest, copy_tokenizer_files, is_engine_dir, library_versions, write_manifest,
 )
@@ -31,6 +32,9 @@ from executor_svc.kernel_selection import select_plugins
 from executor_svc.model.config import ModelConfig
 from executor_svc.engine import DTYPES, resolve_device
 from executor_svc.model.registry import architecture_for, build_model
+from executor_svc.quantization.build_step import quantize_for_build
+from executor_svc.quantization.kernel_choice import select_quant_plugins
+from executor_svc.quantization.perplexity import PerplexityGate
 
 log = logging.getLogger("inflight.build")
 
@@ -43,13 +47,18 @@ def resolve_dtype(name: str, device: torch.device) -> str:
 
 def build_engine(
     checkpoint: Path, output_dir: Path, build: BuildConfig, device: str = "auto", load_format: str = "auto",
-    progress: bool = True,
+    progress: bool = True, validation: PerplexityGate | None = None,
 ) -> EngineManifest:
-    """Build ``checkpoint`` (a Hugging Face folder) into ``output_dir`` for ``device``."""
+    """Build ``checkpoint`` (a Hugging Face folder) into ``output_dir`` for ``device``.
+
+    ``validation``: score perplexity before and after quantization on held-out
+    text and raise AccuracyGateError (writing nothing) when it rises too much.
+    """
     started = time.perf_counter()
     build.validate()
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    _check_quantization_request(build, load_format, validation)
     target = resolve_device(device)
     dtype_name = resolve_dtype(build.dtype, target)
     dtype = DTYPES[dtype_name]
@@ -58,10 +67,11 @@ def build_engine(
     if output_dir.exists() and any(output_dir.iterdir()) and not is_engine_dir(output_dir):
         raise FileExistsError(f"{output_dir} exists and is not an engine folder; refusing to overwrite it")
 
-    steps = ["choose kernels", "load weights", "write engine"]
+    steps = ["choose kernels", "load weights", "quantize", "write engine"]
     with tqdm(total=len(steps), desc="inflight build", unit="step", disable=not progress) as bar:
         bar.set_postfix_str(steps[0])
         plugins = select_plugins(model_config, build, target, dtype)
+        plugins.update(select_quant_plugins(model_config, build, target, dtype))
         bar.update()
         bar.set_postfix_str(steps[1])
         model = build_model(model_config, max_seq_len, {k: c.name for k, c in plugins.items()}, target, dtype)
@@ -69,10 +79,16 @@ def build_engine(
             architecture_for(model_config).load_checkpoint(model, checkpoint)
         bar.update()
         bar.set_postfix_str(steps[2])
+        quantization = quantize_for_build(
+            model, checkpoint, model_config, build, max_seq_len, {k: c.name for k, c in plugins.items()}, target,
+            dtype, dtype_name, real_weights=load_format == "auto", validation=validation, progress=progress,
+        )
+        bar.update()
+        bar.set_postfix_str(steps[3])
         manifest = EngineManifest(
             model=model_config, build_config=build, device=DeviceSignature.of(target), plugins=plugins,
             dtype=dtype_name, max_seq_len=max_seq_len, load_format=load_format, source=str(checkpoint),
-            versions=library_versions(),
+            versions=library_versions(), quantization=quantization,
         )
         output_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
@@ -93,10 +109,26 @@ def build_engine(
     return manifest
 
 
+def _check_quantization_request(build: BuildConfig, load_format: str, validation: PerplexityGate | None) -> None:
+    """What BuildConfig.validate cannot see: the weights' format and the --validate settings."""
+    if validation is not None and (validation.num_texts <= 0 or validation.max_tokens < 2):
+        raise BuildConfigError(
+            f"--validate needs at least one held-out text of 2+ tokens, got {validation.num_texts} texts "
+            f"of {validation.max_tokens} tokens"
+        )
+    if load_format == "dummy" and validation is not None:
+        raise BuildConfigError("--validate measures perplexity, which random weights (--load-format dummy) lack")
+    if load_format == "dummy" and build.quant_config.activation_scheme == "static":
+        raise BuildConfigError("static FP8 activation scales need calibration, which random weights cannot give")
+
+
 def engine_cache_key(checkpoint: Path, build: BuildConfig, device: str, load_format: str) -> str:
     """Short hash of what an engine depends on: the checkpoint, the build, the device."""
     target = resolve_device(device)
     files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in checkpoint.iterdir() if p.is_file())
+    calib = Path(build.quant_config.calib_data)
+    if build.quant_config.calib_data and calib.is_file():  # the file's content, not just its name, shapes the engine
+        files.append((str(calib.resolve()), calib.stat().st_size, int(calib.stat().st_mtime)))
     payload = json.dumps(
         [str(checkpoint.resolve()), files, build.to_dict(), DeviceSignature.of(target).describe(), load_format,
          torch.__version__], sort_keys=True,

@@ -94,6 +94,7 @@ def resolve_device(name: str) -> torch.device:
 
 def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engine:
     from executor_svc.model.registry import build_model  # the registry imports model code; keep it lazy
+    from executor_svc.quantization.quantizer import prepare_quantized_engine
 
     runtime = runtime or RuntimeConfig()
     manifest = read_manifest(engine_dir)
@@ -104,7 +105,9 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
     model = build_model(model_config, manifest.max_seq_len, {k: c.name for k, c in manifest.plugins.items()}, device, dtype)
     if manifest.load_format == "dummy":
         init_dummy_weights(model)
+        prepare_quantized_engine(model, manifest, device, dtype, random_weights=True)
     else:
+        prepare_quantized_engine(model, manifest, device, dtype, random_weights=False)  # empty quantized modules
         missing, unexpected = load_model(model, str(engine_dir / WEIGHTS_NAME), strict=True, device=str(device))
         if missing or unexpected:
             raise RuntimeError(f"{engine_dir}: weights do not match the model (missing {missing}, unexpected {unexpected})")

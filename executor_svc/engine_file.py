@@ -1,8 +1,10 @@
 """The engine folder: a versioned manifest, prepared weights, the tokenizer.
 
     ENGINE_DIR/
-      engine.json           manifest: model, build config, target device, chosen kernels, versions
-      rank0.safetensors     weights as the runtime wants them (fused, in the engine's dtype)
+      engine.json           manifest: model, build config, target device, chosen kernels, versions,
+                            and for quantized engines what each Linear got (+ calibration, perplexity)
+      rank0.safetensors     weights as the runtime wants them (fused, in the engine's dtype; quantized
+                            layers as their packed weights and scales)
       tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json, config.json
 
 Loading checks the format version and that the device matches what the engine
@@ -24,6 +26,7 @@ import torch
 
 from executor_svc.build_config import BuildConfig
 from executor_svc.model.config import ModelConfig
+from executor_svc.quantization.records import QuantizationRecord
 
 ENGINE_FORMAT = "inflight-engine"
 ENGINE_FORMAT_VERSION = 1
@@ -83,6 +86,9 @@ class EngineManifest:
     source: str = ""
     versions: dict[str, str] = field(default_factory=dict)
     build_seconds: float = 0.0
+    # Per-layer quantization (the recipe loading rebuilds the modules from), calibration and
+    # the perplexity gate; None for an engine built without quantization or --validate.
+    quantization: QuantizationRecord | None = None
     format: str = ENGINE_FORMAT
     format_version: int = ENGINE_FORMAT_VERSION
 
@@ -93,6 +99,7 @@ class EngineManifest:
             "plugins": {k: asdict(v) for k, v in self.plugins.items()}, "dtype": self.dtype,
             "max_seq_len": self.max_seq_len, "load_format": self.load_format, "source": self.source,
             "versions": self.versions, "build_seconds": self.build_seconds,
+            "quantization": self.quantization.to_dict() if self.quantization is not None else None,
         }
         return json.dumps(data, indent=2) + "\n"
 
@@ -109,6 +116,7 @@ class EngineManifest:
             dtype=data["dtype"], max_seq_len=data["max_seq_len"], load_format=data.get("load_format", "auto"),
             source=data.get("source", ""), versions=data.get("versions", {}),
             build_seconds=data.get("build_seconds", 0.0), format=data["format"], format_version=data["format_version"],
+            quantization=QuantizationRecord.from_dict(data["quantization"]) if data.get("quantization") else None,
         )
 
 

@@ -3,32 +3,83 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
-from executor_svc.build_config import PLUGIN_KINDS
+from executor_svc.build_config import PLUGIN_KINDS, QUANT_PLUGIN_KINDS, BuildConfig, QuantConfig
 from executor_svc.engine_file import EngineManifest, EngineMismatchError, is_engine_dir, read_manifest
+
+QUANT_DEFAULTS = QuantConfig()
+
+
+def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
+    """Quantization settings beyond --quant-algo, and the perplexity gate (``inflight build`` only)."""
+    from executor_svc.quantization.perplexity import PerplexityGate
+
+    gate = PerplexityGate()
+    g = p.add_argument_group("quantization (--quant-algo W8A16 | W4A16_AWQ | W8A8_SQ_PER_CHANNEL_PER_TOKEN | FP8)")
+    g.add_argument(
+        "--calib-data", default="", metavar="FILE", help="calibration texts, one per line (default: stdlib docstrings)"
+    )
+    g.add_argument("--calib-size", type=int, default=QUANT_DEFAULTS.calib_size, help="calibration texts")
+    g.add_argument("--calib-max-tokens", type=int, default=QUANT_DEFAULTS.calib_max_tokens, help="tokens per text")
+    g.add_argument("--group-size", type=int, default=QUANT_DEFAULTS.group_size, help="input channels per INT4 scale")
+    g.add_argument("--awq-grid-size", type=int, default=QUANT_DEFAULTS.awq_grid_size, help="AWQ: alpha values tried")
+    g.add_argument("--smoothquant-alpha", type=float, default=QUANT_DEFAULTS.smoothquant_alpha, help="SQ strength")
+    g.add_argument(
+        "--activation-scheme", default=QUANT_DEFAULTS.activation_scheme, choices=["dynamic", "static"],
+        help="FP8 activation scales: per token at run time, or one per tensor from calibration",
+    )
+    g.add_argument(
+        "--exclude-modules", default=",".join(QUANT_DEFAULTS.exclude_modules), metavar="PATTERNS",
+        help="comma-separated Linear names kept in high precision (fnmatch: 'layers.0.*', '*.down_proj'; "
+        "'first_layer', 'last_layer')",
+    )
+    g.add_argument("--validate", action="store_true", help="perplexity before/after quantization, on held-out text")
+    g.add_argument("--max-ppl-increase", type=float, default=gate.max_increase, help="fail the build past this rise")
+    g.add_argument("--validate-size", type=int, default=gate.num_texts, help="held-out texts scored by --validate")
+    g.add_argument("--validate-max-tokens", type=int, default=gate.max_tokens, help="tokens kept per held-out text")
+
+
+def quant_build_from_args(args: argparse.Namespace, build: BuildConfig) -> BuildConfig:
+    """``build`` with the quantization flags of ``inflight build`` filled in."""
+    quant = dataclasses.replace(
+        build.quant_config, calib_data=args.calib_data, calib_size=args.calib_size,
+        calib_max_tokens=args.calib_max_tokens, group_size=args.group_size, awq_grid_size=args.awq_grid_size,
+        smoothquant_alpha=args.smoothquant_alpha, activation_scheme=args.activation_scheme,
+        exclude_modules=[p.strip() for p in args.exclude_modules.split(",") if p.strip()],
+    )
+    return dataclasses.replace(build, quant_config=quant)
 
 
 def run_build(args: argparse.Namespace) -> int:
+    """Exit status 0 built, 2 bad settings, 1 the perplexity gate failed (nothing written)."""
     from executor_svc.build_config import BuildConfigError
     from executor_svc.builder import build_engine
     from executor_svc.kernel_selection import PluginUnavailableError
+    from executor_svc.quantization.perplexity import AccuracyGateError, PerplexityGate
     from inflight.engines import build_config_from_args
     from inflight.model_store import resolve_model
 
     if is_engine_dir(Path(args.model)):
         print(f"inflight build: {args.model} is already an engine; give the checkpoint it was built from", file=sys.stderr)
         return 2
+    gate = None
+    if args.validate:
+        gate = PerplexityGate(args.max_ppl_increase, args.validate_size, args.validate_max_tokens)
     try:
-        manifest = build_engine(
-            resolve_model(args.model), Path(args.output), build_config_from_args(args), args.device, args.load_format
-        )
+        build = quant_build_from_args(args, build_config_from_args(args))
+        checkpoint = resolve_model(args.model)
+        manifest = build_engine(checkpoint, Path(args.output), build, args.device, args.load_format, validation=gate)
     except (BuildConfigError, PluginUnavailableError) as exc:
         print(f"inflight build: {exc}", file=sys.stderr)
         return 2
+    except AccuracyGateError as exc:
+        print(f"inflight build: accuracy gate failed, no engine written: {exc}", file=sys.stderr)
+        return 1
     print(format_summary(manifest, Path(args.output)))
     return 0
 
@@ -60,11 +111,35 @@ def format_summary(manifest: EngineManifest, engine_dir: Path) -> str:
         f"built for   {manifest.device.describe()}, {manifest.dtype}, in {manifest.build_seconds:.1f} s",
         f"limits      max_batch_size={b.max_batch_size} max_num_tokens={b.max_num_tokens} "
         f"max_seq_len={manifest.max_seq_len} tokens_per_block={b.tokens_per_block}",
-        f"quant       {b.quant_config.quant_algo} (kv cache: {b.quant_config.kv_cache_quant_algo})",
+        _quant_line(manifest),
         f"weights     {'random (dummy)' if manifest.load_format == 'dummy' else 'from ' + manifest.source}",
         "kernels     " + ", ".join(f"{k}={c.name}{' (FALLBACK)' if c.fallback else ''}" for k, c in manifest.plugins.items()),
     ]
+    record = manifest.quantization
+    if record is not None and record.calibration is not None:
+        c = record.calibration
+        lines.append(f"calibration {c.num_texts} texts, {c.num_tokens} tokens of {c.corpus}, {c.seconds:.1f} s")
+    if record is not None and record.perplexity is not None:
+        p = record.perplexity
+        verdict = "passed" if p.passed else "FAILED"
+        lines.append(
+            f"perplexity  {p.baseline:.3f} unquantized -> {p.quantized:.3f} {record.quant_algo} ({p.increase:+.3f}, "
+            f"limit +{p.max_increase}, {verdict}) on {p.num_texts} texts, {p.num_tokens} tokens of {p.corpus}"
+        )
     return "\n".join(lines)
+
+
+def _quant_line(manifest: EngineManifest) -> str:
+    q = manifest.build_config.quant_config
+    record = manifest.quantization
+    if record is None or q.quant_algo == "none":
+        return f"quant       {q.quant_algo} (kv cache: {q.kv_cache_quant_algo})"
+    quantized = sum(1 for layer in record.layers if layer.algo != "none")
+    return (
+        f"quant       {q.quant_algo} [{'|'.join(record.quant_mode_flags)}]: {quantized} of {len(record.layers)} Linear "
+        f"layers quantized, kept in {manifest.dtype}: {', '.join(q.exclude_modules) or 'none'} "
+        f"(kv cache: {q.kv_cache_quant_algo})"
+    )
 
 
 def _layer_rows(manifest: EngineManifest) -> list[tuple[str, str, str]]:
@@ -104,8 +179,14 @@ def format_layer_info(manifest: EngineManifest) -> str:
         if not kind:
             lines.append(f"  {layer:<40} [Embedding] torch ({manifest.dtype})")
             continue
+        quant = manifest.quantization.layer(layer) if manifest.quantization is not None else None
+        if quant is not None:
+            kind, note = _quant_layer_row(quant, manifest.dtype, note)
         choice = manifest.plugins[kind]
         fallback = f", FALLBACK from {choice.requested}" if choice.fallback else ""
+        if quant is not None and quant.algo != "none":
+            lines.append(f"  {layer:<40} [Plugin] {kind} ({choice.name}, {note}{fallback})")
+            continue
         extra = f", {note}" if note else ""
         lines.append(f"  {layer:<40} [Plugin] {kind} ({choice.name}, {manifest.dtype}{extra}{fallback})")
     lines += ["", f"kernel selection on {manifest.device.describe()} (median of 7 timed calls)"]
@@ -117,12 +198,24 @@ def format_layer_info(manifest: EngineManifest) -> str:
     return "\n".join(lines)
 
 
+def _quant_layer_row(quant, dtype: str, shape: str) -> tuple[str, str]:
+    """(plugin kind, description) of one Linear of a quantized engine."""
+    if quant.algo == "none":
+        return "gemm", f"{shape}, high precision" + (f" ({quant.note})" if quant.note else "")
+    parts = [quant.algo, f"weights {quant.weight}", f"activations {quant.activation}", shape]
+    if quant.pre_quant_scale:
+        parts.append("per-channel input scale")
+    if quant.note:
+        parts.append(quant.note)
+    return quant.kind, ", ".join(parts)
+
+
 def format_plugins() -> str:
     from plugins import list_kernels
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lines = [f"registered plugins (this machine: {device.type})"]
-    for kind in PLUGIN_KINDS:
+    for kind in PLUGIN_KINDS + QUANT_PLUGIN_KINDS:
         for spec in (s for s in list_kernels() if s.kind == kind):
             runnable = [str(d).removeprefix("torch.") for d in sorted(spec.dtypes, key=str) if spec.supports(device, d)]
             status = f"runs here ({', '.join(runnable)})" if runnable else f"not here (needs {', '.join(sorted(spec.device_types))})"

@@ -54,6 +54,7 @@ def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from inflight.build_commands import add_quant_build_flags
     from inflight.engines import add_build_flags
 
     parser = argparse.ArgumentParser(prog="inflight", description="LLM inference server with inflight batching.")
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--model", default=DEFAULT_MODEL, help="model name, Hugging Face folder or .gguf file")
     build.add_argument("--output", required=True, help="engine folder to write")
     add_build_flags(build)
+    add_quant_build_flags(build)
 
     inspect = sub.add_parser("inspect", help="show what an engine runs, or the registered plugins")
     inspect.add_argument("engine_dir", nargs="?", help="engine folder")

@@ -25,8 +25,9 @@ def add_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens per step")
     g.add_argument("--max-seq-len", type=int, default=0, help="longest prompt + output (default: the model's)")
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV-cache block")
-    g.add_argument("--quant-algo", default="none", help="weight/activation quantization (none)")
-    g.add_argument("--kv-cache-quant-algo", default="none", help="KV-cache quantization (none)")
+    g.add_argument("--quant-algo", default="none",
+                   help="none, W8A16, W4A16_AWQ, W8A8_SQ_PER_CHANNEL_PER_TOKEN or FP8 (see `inflight build --help`)")
+    g.add_argument("--kv-cache-quant-algo", default="none", help="none (INT8/FP8 KV cache: not implemented yet)")
     g.add_argument(
         "--plugin", action="append", default=[], metavar="KIND=NAME",
         help=f"implementation for a layer kind ({', '.join(PLUGIN_KINDS)}); default auto = fastest measured",

@@ -13,6 +13,10 @@ from plugins import attention_triton as _attention_triton  # noqa: F401,E402
 from plugins import gemm_torch as _gemm_torch  # noqa: F401,E402
 from plugins import norm_torch as _norm_torch  # noqa: F401,E402
 from plugins import norm_triton as _norm_triton  # noqa: F401,E402
+from plugins import quant_gemm_int_mm as _quant_gemm_int_mm  # noqa: F401,E402
+from plugins import quant_gemm_scaled_mm as _quant_gemm_scaled_mm  # noqa: F401,E402
+from plugins import quant_gemm_torch as _quant_gemm_torch  # noqa: F401,E402
+from plugins import quant_gemm_triton as _quant_gemm_triton  # noqa: F401,E402
 from plugins import rope_torch as _rope_torch  # noqa: F401,E402
 from plugins import rope_triton as _rope_triton  # noqa: F401,E402
 

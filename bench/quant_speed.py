@@ -1,0 +1,140 @@
+"""Batch-1 decode speed of each quantization mode on a model shape with random weights.
+
+Builds a ``--load-format dummy`` engine per mode (Llama-3.1-8B's shape by
+default), loads it, and times generation steps of one request through the
+ModelRunner directly (no scheduler, no gRPC), with CUDA events on a GPU.
+Random weights are quantized at load: AWQ gets unit per-channel scales and
+SmoothQuant no smoothing (there is no calibration on random weights), which
+changes nothing about the arithmetic a step does, so the timings stand.
+
+    python bench/quant_speed.py --device cuda --output bench/results/h200_quant_speed_llama8b.json
+    python bench/quant_speed.py --shape tiny --device cpu --decode-tokens 4   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import device_info, git_info, log, resolve_device_and_dtype  # noqa: E402
+from model_shapes import SHAPES, shape_folder  # noqa: E402
+from quant_common import environment, greedy_generate, scratch_dir  # noqa: E402
+
+import torch  # noqa: E402
+
+from executor_svc.build_config import BuildConfig, QuantConfig  # noqa: E402
+from executor_svc.builder import build_engine  # noqa: E402
+from executor_svc.engine import RuntimeConfig, load_engine  # noqa: E402
+
+# A shape small enough for a CPU smoke run; the real ones come from model_shapes.py.
+TINY = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+}
+MODES = {"bf16": "none", "FP8": "FP8", "W8A16": "W8A16", "W4A16_AWQ": "W4A16_AWQ"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b", choices=[*SHAPES, "tiny"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="activation dtype (auto: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(MODES)} (bf16 = unquantized)")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--decode-tokens", type=int, default=64, help="timed generation steps")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="untimed generation steps first (Triton compiles here)")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME", help="kernel choice for the build")
+    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="tokenizer files for the shape folder")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--output", default=None, help="JSON file to write (default: stdout only)")
+    return p.parse_args(argv)
+
+
+def time_mode(label: str, checkpoint: Path, args: argparse.Namespace, dtype: str, work: Path) -> dict:
+    plugins = dict(item.split("=", 1) for item in args.plugin)
+    build = BuildConfig(
+        max_batch_size=8, max_num_tokens=max(256, args.prompt_len), max_seq_len=args.max_seq_len, tokens_per_block=32,
+        dtype=dtype, quant_config=QuantConfig(MODES[label]), plugin_config=plugins,
+    )
+    started = time.perf_counter()
+    manifest = build_engine(checkpoint, work / label, build, device=args.device, load_format="dummy", progress=False)
+    engine = load_engine(work / label, RuntimeConfig(device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30)))
+    setup_s = time.perf_counter() - started
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()])
+    prompt = [(7 * i + 3) % engine.model_config.vocab_size for i in range(args.prompt_len)]
+    greedy_generate(engine, [prompt], args.warmup_tokens)
+    step_times: list[float] = []
+    greedy_generate(engine, [prompt], args.decode_tokens + 1, step_times)
+    ms = [t * 1e3 for t in step_times]
+    gemms = {k: c for k, c in manifest.plugins.items() if k.startswith("gemm")}
+    kernels = {k: {"name": c.name, "timings_us": c.timings_us} for k, c in gemms.items()}
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {
+        "quant_algo": MODES[label],
+        "decode_ms_per_token": {"p50": statistics.median(ms), "mean": statistics.fmean(ms), "min": min(ms)},
+        "tokens_per_s": round(1e3 / statistics.median(ms), 2),
+        "model_bytes_gib": round(weight_bytes / 2**30, 3),
+        "gemm_kernels": kernels,
+        "setup_seconds": round(setup_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    modes = [m for m in args.modes.split(",") if m]
+    if set(modes) - set(MODES):
+        raise SystemExit(f"unknown modes {sorted(set(modes) - set(MODES))}; choose from {list(MODES)}")
+    work = scratch_dir(args.work_dir)
+    if args.shape == "tiny":
+        checkpoint = work / "shape-tiny"
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        (checkpoint / "config.json").write_text(json.dumps({"_name_or_path": "tiny", **TINY}))
+    else:
+        checkpoint = shape_folder(args.shape, work, args.tokenizer_from)
+    results = {}
+    for label in modes:
+        log(f"{label}: build, load, decode {args.decode_tokens} tokens at batch 1")
+        results[label] = time_mode(label, checkpoint, args, dtype, work)
+        log(f"{label}: {results[label]['decode_ms_per_token']['p50']:.2f} ms/token")
+    base = results.get("bf16")
+    if base:
+        for row in results.values():
+            row["speedup_vs_bf16"] = round(base["decode_ms_per_token"]["p50"] / row["decode_ms_per_token"]["p50"], 3)
+    report = {
+        "command": " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "git": git_info(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": device_info(args.device),
+        "environment": environment(),
+        "shape": args.shape,
+        "dtype": dtype,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "work_dir", "tokenizer_from")},
+        "notes": "random weights (--load-format dummy); W4A16_AWQ with unit AWQ scales, no calibration",
+        "modes": results,
+    }
+    text = json.dumps(report, indent=2)
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The quantization step of ``inflight build``: plan, calibrate, quantize, validate.
+
+Runs on the loaded unquantized model (in the engine's dtype), in place:
+
+1. plan: which Linear gets what (exclude_modules keeps some in high precision);
+2. calibrate (AWQ, SmoothQuant, static FP8): run the model over calibration
+   texts and record each planned layer's input statistics;
+3. with ``--validate``: the unquantized model's perplexity on held-out texts;
+4. swap the planned layers for quantized modules;
+5. with ``--validate``: the quantized model's perplexity on the same texts,
+   and the gate: an increase past ``max_increase`` fails the build.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from executor_svc.build_config import BuildConfig
+from executor_svc.model.config import ModelConfig
+from executor_svc.quantization.calibration import calibrate
+from executor_svc.quantization.corpus import calibration_texts, encode_texts, held_out_texts
+from executor_svc.quantization.forward import PromptForward
+from executor_svc.quantization.layer_plan import plan_layers
+from executor_svc.quantization.perplexity import AccuracyGateError, PerplexityGate, perplexity
+from executor_svc.quantization.quant_mode import QuantMode
+from executor_svc.quantization.quantizer import quantize_model, quantized_kernels
+from executor_svc.quantization.records import CalibrationReport, PerplexityReport, QuantizationRecord
+
+log = logging.getLogger("inflight.build")
+
+AWQ_SAMPLE_ROWS = 512  # input rows per layer the AWQ search replays
+
+
+def quantize_for_build(
+    model: nn.Module, checkpoint: Path, model_config: ModelConfig, build: BuildConfig, max_seq_len: int,
+    plugin_names: dict[str, str], device: torch.device, dtype: torch.dtype, dtype_name: str, real_weights: bool,
+    validation: PerplexityGate | None = None, progress: bool = True,
+) -> QuantizationRecord | None:
+    """Quantize ``model`` in place as ``build.quant_config`` says; the record for engine.json.
+
+    ``plugin_names``: kind -> the implementation chosen for it. Without
+    ``real_weights`` (a dummy engine) only the plan is made: the engine is
+    quantized at load, after its random weights are drawn. None when there is
+    nothing to record (no quantization, no validation). Raises
+    AccuracyGateError when the validated perplexity increase is too large.
+    """
+    config = build.quant_config
+    mode = config.quant_mode
+    if not mode.quantizes_weights and validation is None:
+        return None
+    record = QuantizationRecord(config.quant_algo, config.kv_cache_quant_algo, int(mode), mode.flag_names())
+    record.layers = plan_layers(model, config, model_config.num_layers, dtype_name)
+    if not real_weights:
+        for layer in record.layers:
+            layer.note = layer.note or ("random weights, quantized at load" if layer.algo != "none" else "")
+        return record
+    kernels = quantized_kernels(record.layers, plugin_names, device, dtype)
+    planned = {layer.name: model.get_submodule(layer.name) for layer in record.layers if layer.algo != "none"}
+    max_tokens = min(max_seq_len, max(config.calib_max_tokens, validation.max_tokens if validation else 0))
+    runner = PromptForward.create(model, model_config, max_tokens, build.tokens_per_block, device, dtype)
+
+    stats = None
+    if planned and config.needs_calibration:
+        started = time.perf_counter()
+        texts, corpus = calibration_texts(config.calib_data, config.calib_size)
+        token_lists = encode_texts(checkpoint, texts, min(config.calib_max_tokens, max_seq_len))
+        samples = AWQ_SAMPLE_ROWS if QuantMode.AWQ in mode else 0
+        stats = calibrate(runner, planned, token_lists, samples, progress)
+        seconds = round(time.perf_counter() - started, 2)
+        record.calibration = CalibrationReport(corpus, stats.num_texts, stats.num_tokens, seconds)
+        log.info("calibrated on %d texts, %d tokens of %s", stats.num_texts, stats.num_tokens, corpus)
+
+    if validation is None:
+        quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)
+        return record
+    texts, corpus = held_out_texts(validation.num_texts)
+    held_out = encode_texts(checkpoint, texts, min(validation.max_tokens, max_seq_len))
+    baseline, num_tokens = perplexity(runner, held_out, "perplexity (unquantized)", progress)
+    quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)
+    del stats  # the AWQ samples are the largest thing calibration keeps
+    quantized = perplexity(runner, held_out, f"perplexity ({config.quant_algo})", progress)[0] if planned else baseline
+    record.perplexity = PerplexityReport(
+        corpus, len(held_out), num_tokens, baseline, quantized, validation.max_increase
+    )
+    _check_gate(record.perplexity, config.quant_algo)
+    return record
+
+
+def _check_gate(report: PerplexityReport, quant_algo: str) -> None:
+    log.info(
+        "perplexity %.3f -> %.3f (%+.3f, limit %+.3f)", report.baseline, report.quantized, report.increase,
+        report.max_increase,
+    )
+    if not report.passed:
+        raise AccuracyGateError(
+            f"{quant_algo} raises perplexity from {report.baseline:.3f} to {report.quantized:.3f} "
+            f"(+{report.increase:.3f}) on {report.num_texts} held-out texts, more than the allowed "
+            f"{report.max_increase}; keep more layers in high precision (--exclude-modules), calibrate on more or "
+            "closer text (--calib-data, --calib-size), choose a gentler algorithm, or raise --max-ppl-increase"
+        )

@@ -1,0 +1,87 @@
+"""Calibration: run the unquantized model over texts and record what each Linear sees.
+
+Forward hooks on the Linear modules to be quantized collect, per layer and per
+input channel, the largest |x| (SmoothQuant's migration factors) and the mean
+|x| (AWQ's salience), the largest |x| over the whole tensor (static FP8
+scales), and a few input rows per text for the AWQ search to replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from executor_svc.quantization.forward import PromptForward
+
+
+@dataclass(slots=True)
+class LayerStats:
+    channel_absmax: torch.Tensor  # [in] float32
+    channel_abssum: torch.Tensor  # [in] float32
+    num_rows: int = 0
+    tensor_absmax: float = 0.0
+    samples: list[torch.Tensor] = field(default_factory=list)  # [rows, in] pieces, in the model dtype
+
+    @property
+    def channel_absmean(self) -> torch.Tensor:
+        return self.channel_abssum / max(self.num_rows, 1)
+
+    def sample_matrix(self) -> torch.Tensor:
+        """The kept input rows as one float32 [rows, in] matrix."""
+        return torch.cat(self.samples).float()
+
+
+@dataclass(slots=True)
+class CalibrationStats:
+    layers: dict[str, LayerStats]
+    num_texts: int
+    num_tokens: int
+
+
+def _recorder(stats: LayerStats, rows_per_text: int):
+    def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        x = inputs[0].detach()  # [tokens, in]
+        ax = x.float().abs()
+        stats.channel_absmax = torch.maximum(stats.channel_absmax, ax.amax(dim=0))
+        stats.channel_abssum = stats.channel_abssum + ax.sum(dim=0)
+        stats.num_rows += x.shape[0]
+        stats.tensor_absmax = max(stats.tensor_absmax, float(ax.max()))
+        if rows_per_text:  # evenly spaced rows: early and late positions of every text
+            picks = torch.linspace(0, x.shape[0] - 1, min(rows_per_text, x.shape[0]), device=x.device).long()
+            stats.samples.append(x.index_select(0, picks).clone())
+
+    return hook
+
+
+def calibrate(
+    runner: PromptForward, modules: dict[str, nn.Module], token_lists: list[list[int]], max_samples: int = 0,
+    progress: bool = True,
+) -> CalibrationStats:
+    """Run every text through ``runner.model`` and gather the input statistics of ``modules`` (name -> Linear).
+
+    ``max_samples`` input rows per layer are kept for replay (0: none), spread
+    over the texts.
+    """
+    if not token_lists:
+        raise ValueError("calibration needs at least one text of two or more tokens")
+    device = runner.device
+    rows_per_text = -(-max_samples // len(token_lists)) if max_samples else 0
+    stats = {
+        name: LayerStats(torch.zeros(m.weight.shape[1], device=device), torch.zeros(m.weight.shape[1], device=device))
+        for name, m in modules.items()
+    }
+    handles = [m.register_forward_hook(_recorder(stats[name], rows_per_text)) for name, m in modules.items()]
+    needs_logits = any(name == "lm_head" for name in modules)  # lm_head runs in compute_logits, not forward
+    try:
+        for ids in tqdm(token_lists, desc="calibrate", unit="text", disable=not progress, leave=False):
+            hidden = runner.hidden_states(ids)
+            if needs_logits:
+                with torch.inference_mode():
+                    runner.model.compute_logits(hidden)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return CalibrationStats(stats, len(token_lists), sum(map(len, token_lists)))

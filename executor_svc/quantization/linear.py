@@ -1,0 +1,145 @@
+"""Quantized Linear modules: what the builder swaps in for ``executor_svc.model.llama.Linear``.
+
+Each holds its quantized weight and scales as persistent buffers (so the
+engine's safetensors file stores them and ``load_model`` fills them back) and
+calls the GEMM plugin the builder chose for its format. Constructors make
+empty buffers of the right shape and dtype (what loading an engine needs);
+``from_float`` quantizes a float weight (what building needs).
+
+``pre_quant_scale`` (optional, [in]) multiplies the input before the GEMM:
+AWQ's per-input-channel scale, or SmoothQuant's 1/s on a layer that has no
+norm in front of it to fold s into.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from executor_svc.quantization.quantize import (
+    FP8_DTYPE, GROUP_SCALE_DTYPE, num_groups, quantize_fp8_per_tensor, quantize_fp8_per_token, quantize_fp8_static,
+    quantize_int4_groupwise, quantize_int8_per_channel, quantize_int8_per_token,
+)
+
+Kernel = Callable[..., torch.Tensor]
+
+
+class _QuantLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, kernel: Kernel, pre_quant_scale: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.kernel = kernel
+        self.register_buffer("pre_quant_scale", torch.ones(in_features) if pre_quant_scale else None)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Int8WeightOnlyLinear(_QuantLinear):
+    """W8A16: INT8 weights with one scale per output channel; activations stay 16-bit."""
+
+    def __init__(self, in_features: int, out_features: int, kernel: Kernel) -> None:
+        super().__init__(in_features, out_features, kernel, pre_quant_scale=False)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, kernel: Kernel) -> Int8WeightOnlyLinear:
+        module = cls(weight.shape[1], weight.shape[0], kernel).to(weight.device)
+        module.qweight, module.scales = quantize_int8_per_channel(weight)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [tokens, in] -> [tokens, out]
+        return self.kernel(x, self.qweight, self.scales)
+
+
+class Int4AWQLinear(_QuantLinear):
+    """W4A16_AWQ: packed INT4 weights, asymmetric per group of input channels, AWQ input scale."""
+
+    def __init__(self, in_features: int, out_features: int, kernel: Kernel, group_size: int) -> None:
+        super().__init__(in_features, out_features, kernel, pre_quant_scale=True)
+        if in_features % 2:
+            raise ValueError(f"INT4 packing needs an even number of input channels, got {in_features}")
+        self.group_size = group_size
+        groups = num_groups(in_features, group_size)
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=GROUP_SCALE_DTYPE))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=GROUP_SCALE_DTYPE))
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, kernel: Kernel, group_size: int, input_scale: torch.Tensor | None = None,
+        clip: torch.Tensor | None = None,
+    ) -> Int4AWQLinear:
+        """Quantize ``weight * input_scale`` (per input channel; the module divides x by it at run time),
+        with each group's range shrunk by ``clip`` ([out, groups]) when given."""
+        module = cls(weight.shape[1], weight.shape[0], kernel, group_size).to(weight.device)
+        s = torch.ones(weight.shape[1], device=weight.device) if input_scale is None else input_scale.float()
+        scaled = weight.float() * s[None, :]
+        module.qweight, module.scales, module.zeros = quantize_int4_groupwise(scaled, group_size, clip)
+        module.pre_quant_scale = 1.0 / s
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.qweight, self.scales, self.zeros, self.group_size, self.pre_quant_scale)
+
+
+class SmoothQuantLinear(_QuantLinear):
+    """W8A8 SmoothQuant: per-channel INT8 weights, per-token INT8 activations quantized on the fly."""
+
+    def __init__(self, in_features: int, out_features: int, kernel: Kernel, pre_quant_scale: bool) -> None:
+        super().__init__(in_features, out_features, kernel, pre_quant_scale)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
+
+    @classmethod
+    def from_float(
+        cls, weight: torch.Tensor, kernel: Kernel, smoothing: torch.Tensor | None = None
+    ) -> SmoothQuantLinear:
+        """``smoothing`` (s per input channel) is multiplied into the weight and divided out of x here;
+        None when s was already folded into the weight and the norm in front."""
+        module = cls(weight.shape[1], weight.shape[0], kernel, pre_quant_scale=smoothing is not None).to(weight.device)
+        w = weight.float() if smoothing is None else weight.float() * smoothing.float()[None, :]
+        module.qweight, module.scales = quantize_int8_per_channel(w)
+        if smoothing is not None:
+            module.pre_quant_scale = 1.0 / smoothing.float()
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_quant_scale is not None:
+            x = x * self.pre_quant_scale.to(x.dtype)
+        x_q, x_scale = quantize_int8_per_token(x)
+        return self.kernel(x_q, x_scale, self.qweight, self.scales, x.dtype)
+
+
+class Fp8Linear(_QuantLinear):
+    """FP8: E4M3 weights with one scale per tensor; activations per token (dynamic) or per tensor (static)."""
+
+    def __init__(self, in_features: int, out_features: int, kernel: Kernel, static_input_scale: bool) -> None:
+        super().__init__(in_features, out_features, kernel, pre_quant_scale=False)
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE))
+        self.register_buffer("weight_scale", torch.empty(1, dtype=torch.float32))
+        self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32) if static_input_scale else None)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, kernel: Kernel, input_scale: torch.Tensor | None = None) -> Fp8Linear:
+        static = input_scale is not None
+        module = cls(weight.shape[1], weight.shape[0], kernel, static_input_scale=static).to(weight.device)
+        module.weight, module.weight_scale = quantize_fp8_per_tensor(weight)
+        if input_scale is not None:
+            module.input_scale = input_scale.float().reshape(1).to(weight.device)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x_q = quantize_fp8_static(x, self.input_scale)
+            return self.kernel(x_q, self.input_scale, self.weight, self.weight_scale, x.dtype)
+        x_q, x_scale = quantize_fp8_per_token(x)
+        return self.kernel(x_q, x_scale, self.weight, self.weight_scale, x.dtype)
+
+
+QUANT_LINEAR_TYPES = (Int8WeightOnlyLinear, Int4AWQLinear, SmoothQuantLinear, Fp8Linear)

@@ -1,0 +1,158 @@
+"""Quantize / dequantize primitives: pure functions on tensors.
+
+Weight formats (``weight``: ``[out, in]``, the Linear layout):
+
+* INT8 per output channel, symmetric: ``w ~ q * scale[out]``, q in [-127, 127].
+* INT4 per group of ``group_size`` input channels, asymmetric (as in the AWQ
+  paper): ``w ~ (q - zero) * scale``, q in [0, 15], two values per byte (even
+  input channel in the low nibble). A last group shorter than ``group_size``
+  (hidden 576 with groups of 128) is allowed.
+* FP8 E4M3 with one scale per tensor: ``w ~ fp8 * scale``.
+
+Activations: INT8 or FP8 with one scale per token (dynamic), or FP8 with one
+static scale per tensor. Scales are float32 except the INT4 group scales and
+zeros, which are float16 (as AWQ and TensorRT-LLM store them): there is one
+pair per 128 weights, and at 32 bits they would add a quarter to the bytes a
+decode step reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+INT4_MAX = 15.0
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+GROUP_SCALE_DTYPE = torch.float16
+# Scales never drop below this, so an all-zero row or group quantizes to zeros
+# instead of dividing by zero (and stays a normal float16).
+MIN_SCALE = 1e-5
+
+
+def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (int8 [out, in], float32 scales [out])."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8_per_channel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return -(-in_features // group_size)
+
+
+def _group_extrema(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, min) of each group of input channels, [out, groups] float32; a short last group is its own."""
+    w = weight.float()
+    full = w.shape[1] // group_size * group_size
+    head = w[:, :full].reshape(w.shape[0], -1, group_size)
+    maxes, mins = [head.amax(dim=2)], [head.amin(dim=2)]
+    if full < w.shape[1]:
+        maxes.append(w[:, full:].amax(dim=1, keepdim=True))
+        mins.append(w[:, full:].amin(dim=1, keepdim=True))
+    return torch.cat(maxes, dim=1), torch.cat(mins, dim=1)
+
+
+def _per_column(group_values: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """[out, groups] -> [out, in]: each group's value repeated over its channels."""
+    return group_values.float().repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def int4_group_params(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric INT4 (scales, zeros) per group, both [out, groups] in float16 (zeros hold integers 0..15).
+
+    ``clip`` ([out, groups], in (0, 1]) shrinks each group's range: the few
+    weights past it saturate, and all the others get a finer grid.
+    """
+    w_max, w_min = _group_extrema(weight, group_size)
+    w_max, w_min = w_max.clamp(min=0.0), w_min.clamp(max=0.0)  # the range always holds 0, so zero is exact
+    if clip is not None:
+        w_max, w_min = w_max * clip, w_min * clip
+    scales = ((w_max - w_min) / INT4_MAX).clamp(min=MIN_SCALE).to(GROUP_SCALE_DTYPE)
+    zeros = torch.round(-w_min / scales.float()).clamp(0, INT4_MAX).to(GROUP_SCALE_DTYPE)
+    return scales, zeros
+
+
+def int4_codes(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """INT4 codes 0..15 of ``weight`` under given group (scales, zeros): uint8 [out, in]."""
+    in_features = weight.shape[1]
+    scale, zero = _per_column(scales, group_size, in_features), _per_column(zeros, group_size, in_features)
+    return (torch.round(weight.float() / scale) + zero).clamp_(0, INT4_MAX).to(torch.uint8)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [out, in] (in even) -> bytes [out, in / 2]: even channel low nibble, odd channel high."""
+    if codes.shape[1] % 2:
+        raise ValueError(f"INT4 packing needs an even number of input channels, got {codes.shape[1]}")
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """bytes [out, in / 2] -> uint8 codes [out, in]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)
+
+
+def quantize_int4_groupwise(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (packed uint8 [out, in / 2], scales [out, groups], zeros [out, groups])."""
+    scales, zeros = int4_group_params(weight, group_size, clip)
+    return pack_int4(int4_codes(weight, scales, zeros, group_size)), scales, zeros
+
+
+def dequantize_int4_groupwise(
+    packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The float32 weight [out, in] that packed INT4 codes stand for."""
+    codes = unpack_int4(packed).float()
+    in_features = codes.shape[1]
+    return (codes - _per_column(zeros, group_size, in_features)) * _per_column(scales, group_size, in_features)
+
+
+def fake_quantize_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize round trip in float32 (for searches that only need the error)."""
+    scales, zeros = int4_group_params(weight, group_size, clip)
+    in_features = weight.shape[1]
+    scale, zero = _per_column(scales, group_size, in_features), _per_column(zeros, group_size, in_features)
+    codes = (torch.round(weight.float() / scale) + zero).clamp_(0, INT4_MAX)
+    return (codes - zero).mul_(scale)
+
+
+def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (float8_e4m3fn [out, in], float32 scale [1])."""
+    w = weight.float()
+    scale = (w.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()
+
+
+# -- activations (on the hot path of the quantized Linear modules) -------------------
+
+
+def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] -> (int8 [tokens, in], float32 scales [tokens, 1])."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=1e-8)
+    return torch.round(x32 / scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, in] -> (float8_e4m3fn [tokens, in], float32 scales [tokens, 1])."""
+    x32 = x.float()
+    scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-8)
+    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+
+
+def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [tokens, in] -> float8_e4m3fn with a calibrated per-tensor ``scale`` [1]; outliers saturate."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -1,0 +1,87 @@
+"""What an engine's manifest records about quantization (plain data, no torch).
+
+The per-layer records are both the report (``inflight inspect --layer-info``)
+and the recipe loading uses to rebuild the same quantized modules before the
+weights file fills them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class LayerQuant:
+    """What one Linear got."""
+
+    name: str  # module name, e.g. "layers.3.qkv_proj"
+    algo: str  # quant_algo, or "none" for a layer kept in high precision
+    in_features: int
+    out_features: int
+    kind: str = "gemm"  # the plugin kind its GEMM is: gemm, gemm_w8a16, gemm_w4a16, gemm_w8a8, gemm_fp8
+    weight: str = ""  # stored format: "int8 per-channel", "int4 g128 asymmetric", ..., or the dtype
+    activation: str = ""  # "16-bit", "int8 per-token dynamic", "float8_e4m3fn per-tensor static", ...
+    group_size: int = 0
+    pre_quant_scale: bool = False  # the module multiplies its input by a per-channel scale
+    static_input_scale: bool = False  # FP8 with a calibrated activation scale
+    note: str = ""  # why it is excluded, where SmoothQuant folded its factors, ...
+
+
+@dataclass(slots=True)
+class CalibrationReport:
+    corpus: str  # "stdlib docstrings (N modules)" or the --calib-data file
+    num_texts: int
+    num_tokens: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class PerplexityReport:
+    """The accuracy gate of ``inflight build --validate``."""
+
+    corpus: str
+    num_texts: int
+    num_tokens: int  # predicted tokens the perplexity averages over
+    baseline: float  # the unquantized model in the engine dtype
+    quantized: float
+    max_increase: float
+
+    @property
+    def increase(self) -> float:
+        return self.quantized - self.baseline
+
+    @property
+    def passed(self) -> bool:
+        return self.increase <= self.max_increase
+
+
+@dataclass(slots=True)
+class QuantizationRecord:
+    quant_algo: str
+    kv_cache_quant_algo: str
+    quant_mode: int
+    quant_mode_flags: list[str]
+    layers: list[LayerQuant] = field(default_factory=list)
+    calibration: CalibrationReport | None = None
+    perplexity: PerplexityReport | None = None
+
+    def layer(self, name: str) -> LayerQuant | None:
+        return next((layer for layer in self.layers if layer.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.perplexity is not None:  # derived numbers too, for readers of engine.json
+            data["perplexity"].update(increase=round(self.perplexity.increase, 4), passed=self.perplexity.passed)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantizationRecord:
+        data = dict(data)
+        data["layers"] = [LayerQuant(**layer) for layer in data.get("layers", [])]
+        if data.get("calibration") is not None:
+            data["calibration"] = CalibrationReport(**data["calibration"])
+        if data.get("perplexity") is not None:
+            report = {k: v for k, v in data["perplexity"].items() if k not in ("increase", "passed")}
+            data["perplexity"] = PerplexityReport(**report)
+        return cls(**data)

@@ -1,0 +1,140 @@
+"""Weight-only GEMMs in Triton: the weights are dequantized inside the GEMM.
+
+A decode step is bound by the bytes of weights it reads; these kernels read
+INT8 (half of bf16) or packed INT4 (a quarter) from memory and widen each
+tile in registers right before ``tl.dot``, so the 16-bit weight never exists
+in memory. One program computes a [BLOCK_M, BLOCK_N] tile of ``x @ W.T``.
+
+INT4: a packed byte holds input channels 2i (low nibble) and 2i+1 (high), so
+a K-tile is loaded as BLOCK_K/2 bytes per output channel and split into the
+even and odd halves, each multiplied with the matching even/odd columns of x:
+``x @ W.T = x[:, 0::2] @ W_even.T + x[:, 1::2] @ W_odd.T``. BLOCK_K divides
+the group size, so a tile lies in one group and needs one scale and one zero
+per output channel. AWQ's per-input-channel ``pre_quant_scale`` is applied to
+the x tile as it is loaded.
+
+Registered for CUDA; tests also run them on the CPU through Triton's
+interpreter (TRITON_INTERPRET=1) on small shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plugins.registry import register_kernel
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: the kernels are simply not registered
+    triton = None
+
+
+def _config(rows: int, group_size: int = 128) -> dict[str, int]:
+    """Tile sizes: a decode step (few rows) is a matrix-vector product bound by weight bytes, so it
+    uses narrow N tiles (more programs to spread the weight stream over the SMs) and long K tiles
+    with a deep pipeline; a context step uses wide tiles for tensor-core throughput."""
+    if rows <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": min(128, group_size), "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 32 if rows <= 32 else 64, "BLOCK_N": 128, "BLOCK_K": min(64, group_size), "num_warps": 4,
+            "num_stages": 3}
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise be multiplied in TF32 on the tensor cores (10-bit mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _w8a16_kernel(
+        x_ptr, w_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            x_mask = (rm[:, None] < M) & (k[None, :] < K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+            # w tile [BLOCK_K, BLOCK_N]: column n is output channel n's weights.
+            w_mask = (rn[None, :] < N) & (k[:, None] < K)
+            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=w_mask, other=0)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)
+        scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)  # per output channel: applied once, after the sum
+        out = acc * scale[None, :]
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def _w4a16_kernel(
+        x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+        GROUP: tl.constexpr, HAS_PQS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rb = tl.arange(0, BLOCK_K // 2)  # packed bytes of one K-tile
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_even = k0 + 2 * rb
+            k_odd = k_even + 1
+            x_rows = x_ptr + rm[:, None] * stride_xm
+            x_mask = rm[:, None] < M
+            x_even = tl.load(x_rows + k_even[None, :], mask=x_mask & (k_even[None, :] < K), other=0.0)
+            x_odd = tl.load(x_rows + k_odd[None, :], mask=x_mask & (k_odd[None, :] < K), other=0.0)
+            if HAS_PQS:
+                x_even = (x_even * tl.load(pqs_ptr + k_even, mask=k_even < K, other=0.0)[None, :]).to(x_even.dtype)
+                x_odd = (x_odd * tl.load(pqs_ptr + k_odd, mask=k_odd < K, other=0.0)[None, :]).to(x_odd.dtype)
+            packed = tl.load(
+                w_ptr + rn[None, :] * stride_wn + (k0 // 2 + rb)[:, None],
+                mask=(rn[None, :] < N) & (k_even[:, None] < K), other=0,
+            )  # [BLOCK_K / 2, BLOCK_N] uint8
+            group = k0 // GROUP
+            scale = tl.load(scale_ptr + rn * stride_sn + group, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            zero = tl.load(zero_ptr + rn * stride_sn + group, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            w_even = ((packed & 0xF).to(tl.float32) - zero) * scale
+            w_odd = ((packed >> 4).to(tl.float32) - zero) * scale
+            acc += tl.dot(x_even, w_even.to(x_even.dtype), input_precision=PRECISION)
+            acc += tl.dot(x_odd, w_odd.to(x_odd.dtype), input_precision=PRECISION)
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @register_kernel(
+        "gemm_w8a16", "triton", device_types=frozenset({"cuda"}),
+        description="Triton: INT8 weights widened in registers inside the GEMM, per-channel scale after",
+    )
+    def gemm_w8a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        # x: [M, K], qweight: [N, K] int8, scales: [N] float32 -> [M, N]
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        (m, k), n = x.shape, qweight.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        config = _config(m)
+        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+        _w8a16_kernel[grid](x, qweight, scales, out, m, n, k, x.stride(0), qweight.stride(0), out.stride(0),
+                            PRECISION=_precision(x.dtype), **config)
+        return out
+
+    @register_kernel(
+        "gemm_w4a16", "triton", device_types=frozenset({"cuda"}),
+        description="Triton: packed INT4 group weights dequantized inside the GEMM (+ AWQ pre-quant scale)",
+    )
+    def gemm_w4a16_triton(
+        x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+        pre_quant_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # x: [M, K], qweight: [N, K/2] uint8, scales/zeros: [N, groups] -> [M, N]
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        (m, k), n = x.shape, qweight.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        config = _config(m, group_size)
+        grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
+        _w4a16_kernel[grid](
+            x, qweight, scales, zeros, pre_quant_scale if pre_quant_scale is not None else scales, out,
+            m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            GROUP=group_size, HAS_PQS=pre_quant_scale is not None, PRECISION=_precision(x.dtype), **config,
+        )
+        return out
