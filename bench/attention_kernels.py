@@ -20,16 +20,14 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import time_us, write_report  # noqa: E402  (also puts the repository on sys.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,31 +129,6 @@ def steps(s: Shapes, dtype, device, gen, device_gen):
     yield "context", make_step(f"chunk_{s.prompt}_after_{s.prompt}", [(s.prompt, s.prompt)], s, dtype, device, *gens)
 
 
-def time_us(fn: Callable[[], object], device, warmup: int, repeats: int, flush) -> float:
-    """Median time of one call in microseconds: CUDA events on a GPU, wall clock on the CPU."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    samples = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            flush.zero_()  # evict the previous call's KV from L2: a real step reads it from HBM
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        samples = [start.elapsed_time(end) * 1e3 for start, end in events]
-    else:
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - begin) * 1e6)
-    return statistics.median(samples)
-
-
 def time_graph(name: str, fn: Callable[[], object], expected, device, args: argparse.Namespace, flush) -> dict:
     """``fn`` (already warmed up) captured in a CUDA graph: replay time and output difference, or the capture error."""
     import torch
@@ -171,7 +144,7 @@ def time_graph(name: str, fn: Callable[[], object], expected, device, args: argp
             out = fn()
         graph.replay()
         diff = (out.float() - expected.float()).abs().max().item()
-        return {f"{name}_graph_us": round(time_us(graph.replay, device, args.warmup, args.repeats, flush), 2),
+        return {f"{name}_graph_us": round(time_us(graph.replay, device, args.warmup, args.repeats, flush.zero_ if flush is not None else None), 2),
                 f"{name}_graph_max_abs_diff": diff}
     except Exception as exc:  # a plugin that cannot be captured is a result, not a crash
         return {f"{name}_graph_error": f"{type(exc).__name__}: {exc}"}
@@ -196,8 +169,8 @@ def measure(kind: str, step: Step, shapes: Shapes, args: argparse.Namespace, flu
 
     expected = reference()
     diff = (fast().float() - expected.float()).abs().max().item()
-    torch_us = time_us(reference, device, args.warmup, args.repeats, flush)
-    triton_us = time_us(fast, device, args.warmup, args.repeats, flush)
+    torch_us = time_us(reference, device, args.warmup, args.repeats, flush.zero_ if flush is not None else None)
+    triton_us = time_us(fast, device, args.warmup, args.repeats, flush.zero_ if flush is not None else None)
     lens = [cached + new for cached, new in step.requests]
     row = {
         "case": step.name, "kind": kind, "requests": len(step.requests), "query_tokens": q.shape[0],
@@ -256,17 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":  # the kernels run through the interpreter; it is read when they are defined
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_common import device_info, git_info  # also puts the repository on sys.path
-
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    result = {
-        "command": shlex.join(sys.argv if argv is None else ["bench/attention_kernels.py", *argv]),
-        "git": git_info(), "date": started, "device": device_info(args.device), **run(args),
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_report("bench/attention_kernels.py", argv, args.device, args.output, run(args))
     return 0
 
 

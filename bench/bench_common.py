@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -264,3 +265,50 @@ def foreign(cpu: dict) -> float:
 
 def wait_idle(args, what: str) -> dict | None:
     return MONITOR.wait_idle(args.wait_idle, args.idle_threshold, what) if args.wait_idle > 0 else None
+
+
+def time_us(fn, device, warmup: int, repeats: int, before_each=None) -> float:
+    """Median time of one call in microseconds: CUDA events on a GPU, wall clock on the CPU.
+
+    ``before_each`` runs before every timed call, outside the events on a GPU (e.g. to evict
+    the previous call's data from L2 so each call reads from memory as a real step does).
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+        for start, end in events:
+            if before_each is not None:
+                before_each()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        samples = [start.elapsed_time(end) * 1e3 for start, end in events]
+    else:
+        for _ in range(repeats):
+            if before_each is not None:
+                before_each()
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e6)
+    return float(np.median(samples))
+
+
+def write_report(script: str, argv: list[str] | None, device: str, output: Path, payload: dict) -> None:
+    """The JSON result: command, commit, date and machine first, then ``payload``."""
+    import datetime as dt
+    import shlex
+
+    result = {
+        "command": shlex.join(sys.argv if argv is None else [script, *argv]),
+        "git": git_info(), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_info(device), **payload,
+    }
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}", file=sys.stderr)

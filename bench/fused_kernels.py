@@ -17,16 +17,14 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import time_us, write_report  # noqa: E402  (also puts the repository on sys.path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,30 +72,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.small else 10)
     args.repeats = args.repeats if args.repeats is not None else (3 if args.small else 100)
     return args
-
-
-def time_us(fn: Callable[[], object], device, warmup: int, repeats: int) -> float:
-    """Median time of one call in microseconds: CUDA events on a GPU, wall clock on the CPU."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    samples = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        samples = [start.elapsed_time(end) * 1e3 for start, end in events]
-    else:
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - begin) * 1e6)
-    return statistics.median(samples)
 
 
 def rope_case(shapes: Shapes, tokens: int, pool_slots: int, dtype, device, gen) -> Case:
@@ -224,17 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":  # the kernels run through the interpreter; it is read when they are defined
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_common import device_info, git_info  # also puts the repository on sys.path
-
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    result = {
-        "command": shlex.join(sys.argv if argv is None else ["bench/fused_kernels.py", *argv]),
-        "git": git_info(), "date": started, "device": device_info(args.device), **run(args),
-    }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}", file=sys.stderr)
+    write_report("bench/fused_kernels.py", argv, args.device, args.output, run(args))
     return 0
 
 

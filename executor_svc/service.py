@@ -22,7 +22,7 @@ from executor_svc.runner import ModelRunner
 from executor_svc.step_pipeline import StepPipeline
 from protos import executor_pb2 as ex
 from protos import executor_pb2_grpc as ex_grpc
-from protos.plan import ExecutorInfo, StepPlan, StepResult
+from protos.plan import ExecutorInfo
 
 log = logging.getLogger("inflight.executor")
 

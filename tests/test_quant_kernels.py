@@ -64,7 +64,7 @@ def test_fp8_per_tensor_relative_error():
     dq = qz.dequantize_fp8(q, scale)
     normal = w.abs() > 2**-6 * scale  # E4M3 has 3 mantissa bits for normal numbers: rounding within 2**-4
     assert ((dq - w).abs()[normal] <= w.abs()[normal] * 2**-4 + 1e-7).all()
-    assert dq.abs().max() == pytest.approx(w.abs().max().item(), rel=1e-6)  # the largest value maps to 448 exactly
+    assert dq.abs().max().item() == pytest.approx(w.abs().max().item(), rel=1e-6)  # the largest value maps to 448 exactly
 
 
 def test_per_token_activation_scales():
