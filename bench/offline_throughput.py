@@ -158,12 +158,21 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
 
         return submit
 
-    async def scenario(submit, timeline, in_len: int, out_len: int, label: str) -> dict:
+    async def scenario(submit, timeline, in_len: int, out_len: int, label: str, loop_engine, runner) -> dict:
         count = args.num_requests if out_len <= 256 else args.num_requests_long
         prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
         if timeline is not None:
             timeline.steps.clear()
+        before = {**loop_engine.host_seconds, **runner.host_seconds}, loop_engine.num_steps
         result_ = await _run_requests(submit, prompts, out_len, f"{label} {in_len}/{out_len}")
+        steps = loop_engine.num_steps - before[1]
+        # Where the host's time goes, per step (ms): scheduler loop and executor runner.
+        result_["host_ms_per_step"] = {
+            key: (value - before[0][key]) * 1e3 / max(steps, 1)
+            for key, value in {**loop_engine.host_seconds, **runner.host_seconds}.items()
+        }
+        result_["steps"] = steps
+        log(f"{label} {in_len}/{out_len}: host ms per step " + ", ".join(f"{k} {v:.2f}" for k, v in result_["host_ms_per_step"].items()))
         if timeline is not None:
             result_["gpu_timeline_full_batch"] = timeline.summary(min_requests=engine.max_batch_size)
             result_["gpu_timeline_all_steps"] = timeline.summary()
@@ -196,7 +205,8 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
             log(f"batch 1: {one['tpot_ms']['p50']:.2f} ms/token" + (
                 f" ({one['bandwidth_limit']['tpot_over_limit']:.2f}x the bandwidth limit)" if "bandwidth_limit" in one else ""))
             for in_len, out_len in parse_scenarios(args.scenarios):
-                result["inprocess"][f"{in_len}x{out_len}"] = await scenario(submit, timeline, in_len, out_len, "inprocess")
+                result["inprocess"][f"{in_len}x{out_len}"] = await scenario(
+                    submit, timeline, in_len, out_len, "inprocess", async_engine, executor.runner)
                 Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         finally:
             await async_engine.stop()
@@ -206,7 +216,8 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
             try:
                 for in_len, out_len in parse_scenarios(args.no_overlap_scenarios):
                     result["inprocess_no_overlap"][f"{in_len}x{out_len}"] = await scenario(
-                        submitter(async_engine), executor.runner.timeline, in_len, out_len, "inprocess, no overlap")
+                        submitter(async_engine), executor.runner.timeline, in_len, out_len, "inprocess, no overlap",
+                        async_engine, executor.runner)
             finally:
                 await async_engine.stop()
 

@@ -80,6 +80,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # GPU busy/idle per step, for the benchmarks' idle-time figure.
         self.timeline = StepTimeline(self.device) if self.device.type == "cuda" else None
+        # Host seconds spent launching steps (inputs, kernel launches) and finishing them
+        # (apart from waiting for the GPU): the executor's share of the time between steps.
+        self.host_seconds = {"launch": 0.0, "finish": 0.0}
 
     # -- state ---------------------------------------------------------------
 
@@ -163,16 +166,19 @@ class ModelRunner:
                 self._launch(step)
             except Exception as exc:  # a failed forward fails its batch, not the executor
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
+        self.host_seconds["launch"] += time.perf_counter() - started
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""
         result = step.result
         sampled: list[int] = []
+        finish_started = time.perf_counter()
         if not step.error and step.sampled is not None:
             try:
                 if step.done is not None:
                     step.done.synchronize()  # the step's one wait for the device
+                    finish_started = time.perf_counter()
                     sampled = step.sampled_host.tolist()
                 else:
                     sampled = step.sampled.tolist()
@@ -205,6 +211,7 @@ class ModelRunner:
             state.sampling.append_output([token])
             result.outputs.append(RequestOutput(request_id, [token]))
         result.step_us = int((time.perf_counter() - step.started) * 1e6)
+        self.host_seconds["finish"] += time.perf_counter() - finish_started
         return result
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._healthy = False
         self.num_steps = 0
+        # Host seconds the step loop spent planning, applying results and streaming them:
+        # with overlap, the GPU waits only when these (plus the executor's) exceed a step.
+        self.host_seconds = {"schedule": 0.0, "update": 0.0, "deliver": 0.0}
 
     async def start(self) -> None:
         await self._attach()
@@ -198,7 +202,9 @@ class AsyncEngine:
             scheduler = self.scheduler
             assert scheduler is not None
             if len(in_flight) < depth and scheduler.has_work:
+                started = time.perf_counter()
                 plan = scheduler.schedule()
+                self.host_seconds["schedule"] += time.perf_counter() - started
                 if not plan.is_empty:
                     in_flight.append(asyncio.ensure_future(self.executor.step(plan)))
                     continue  # room for one more in flight? plan it now
@@ -217,8 +223,13 @@ class AsyncEngine:
                 await self._executor_lost(str(exc))
                 continue
             self.num_steps += 1
-            for update in scheduler.update(result):
+            started = time.perf_counter()
+            updates = scheduler.update(result)
+            applied = time.perf_counter()
+            for update in updates:
                 self._deliver(update)
+            self.host_seconds["update"] += applied - started
+            self.host_seconds["deliver"] += time.perf_counter() - applied
 
     def _deliver(self, update: RequestUpdate) -> None:
         request = update.request
