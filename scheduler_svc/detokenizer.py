@@ -47,6 +47,19 @@ class IncrementalDetokenizer:
                 break
         return self._take(final=self.stopped)
 
+    def next_windows(self, token: int) -> tuple[list[int], list[int]]:
+        """Take one new token; the two windows to decode for it (see ``take_decoded``).
+
+        Splitting the decode out lets a caller decode many requests' windows in one batch.
+        """
+        self.token_ids.append(token)
+        return self.token_ids[self.prefix_offset : self.read_offset], self.token_ids[self.prefix_offset :]
+
+    def take_decoded(self, prefix: str, full: str) -> str:
+        """The decoded ``next_windows``; returns the text that can be sent now (as ``add_tokens``)."""
+        self._apply(prefix, full)
+        return self._take(final=self.stopped)
+
     def flush(self) -> str:
         """At the end of a request: everything not yet sent."""
         return self._take(final=True)
@@ -54,6 +67,9 @@ class IncrementalDetokenizer:
     def _decode_one(self) -> None:
         prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        self._apply(prefix, full)
+
+    def _apply(self, prefix: str, full: str) -> None:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return  # nothing new yet, or a character is incomplete
         self.text += full[len(prefix) :]

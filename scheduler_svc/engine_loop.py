@@ -226,18 +226,37 @@ class AsyncEngine:
             started = time.perf_counter()
             updates = scheduler.update(result)
             applied = time.perf_counter()
+            texts = self._detokenize(updates)
             for update in updates:
-                self._deliver(update)
+                self._deliver(update, texts.get(update.request.request_id))
             self.host_seconds["update"] += applied - started
             self.host_seconds["deliver"] += time.perf_counter() - applied
 
-    def _deliver(self, update: RequestUpdate) -> None:
+    def _detokenize(self, updates: list[RequestUpdate]) -> dict[str, str]:
+        """New text of every update with one new token (the common step), decoded in one batch."""
+        chosen: list[tuple[str, IncrementalDetokenizer, int]] = []
+        for update in updates:
+            stream = self._streams.get(update.request.request_id)
+            if stream is not None and len(update.new_token_ids) == 1 and not stream.detokenizer.stopped:
+                chosen.append((update.request.request_id, stream.detokenizer, update.new_token_ids[0]))
+        if not chosen:
+            return {}
+        windows = [window for _, detok, token in chosen for window in detok.next_windows(token)]
+        decoded = self.tokenizer.decode_batch(windows)
+        return {
+            request_id: detok.take_decoded(decoded[2 * i], decoded[2 * i + 1])
+            for i, (request_id, detok, _) in enumerate(chosen)
+        }
+
+    def _deliver(self, update: RequestUpdate, text: str | None = None) -> None:
+        """Stream one update; ``text`` is its new text when already detokenized."""
         request = update.request
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
         detok = stream.detokenizer
-        text = detok.add_tokens(update.new_token_ids)
+        if text is None:
+            text = detok.add_tokens(update.new_token_ids)
         reason = update.finish_reason
         if reason is None and detok.stopped:  # a stop string matched
             reason = FinishReason.STOP

@@ -38,6 +38,13 @@ class Tokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=True)
 
+    def decode_batch(self, batch: list[list[int]]) -> list[str]:
+        """``[decode(ids) for ids in batch]``, in one call to the Rust tokenizer where that is the same thing."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is not None and not getattr(self.hf, "clean_up_tokenization_spaces", False):
+            return backend.decode_batch(batch, skip_special_tokens=True)
+        return [self.decode(ids) for ids in batch]
+
     def token_strings(self, token_ids: list[int]) -> list[str]:
         return [self.hf.decode([t]) for t in token_ids]
 

@@ -49,3 +49,20 @@ def test_held_back_prefix_is_released_when_it_is_not_a_stop(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], stop=["END"])
     text = "".join(detok.add_tokens([t]) for t in ids) + detok.flush()
     assert not detok.stopped and text == "Go to the ENTRANCE now"
+
+
+@pytest.mark.parametrize("stop", [[], ["Zürich", "und"]])
+def test_batched_decoding_streams_the_same_pieces(tokenizer, stop):
+    """The step loop decodes all requests' windows in one batch; the pieces must not change."""
+    streams = [tokenizer.encode(text) for text in TEXTS]
+    one_by_one = [IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"), list(stop)) for _ in streams]
+    batched = [IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"), list(stop)) for _ in streams]
+    for position in range(max(map(len, streams))):
+        live = [i for i, ids in enumerate(streams) if position < len(ids) and not batched[i].stopped]
+        windows = [w for i in live for w in batched[i].next_windows(streams[i][position])]
+        decoded = tokenizer.decode_batch(windows)
+        assert decoded == [tokenizer.decode(w) for w in windows]
+        for k, i in enumerate(live):
+            assert batched[i].take_decoded(decoded[2 * k], decoded[2 * k + 1]) == one_by_one[i].add_tokens([streams[i][position]])
+    assert [d.flush() for d in batched] == [d.flush() for d in one_by_one]
+    assert [d.stopped for d in batched] == [d.stopped for d in one_by_one]
