@@ -39,7 +39,9 @@ class StepPipeline:
 
     def __init__(self, runner: ModelRunner, overlap: bool = True) -> None:
         self.runner = runner
-        self.overlap = overlap
+        # Only an asynchronous device gains: on the CPU, launching a step computes it, so
+        # launching N+1 before finishing N would only hold N's result back by a whole step.
+        self.overlap = overlap and runner.device.type == "cuda"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
 
