@@ -224,7 +224,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
     asyncio.run(main())
     if engine.decode_graphs is not None:
         result["engine"]["graph_replays"] = engine.decode_graphs.num_replays
-    del engine
+    engine.model = engine.kv_cache = engine.decode_graphs = None  # free the GPU for the next phase
     gc.collect()
     torch.cuda.empty_cache() if args.device.startswith("cuda") else None
 

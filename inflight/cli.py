@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("--priority", type=int, default=0, help="admission priority, higher first ([-100, 100])")
+    gen.add_argument("--cache-salt", default="", help="share cached prefix blocks only with requests of the same salt")
     return parser
 
 
@@ -111,7 +113,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     from inflight.client import Client
 
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                  priority=args.priority, cache_salt=args.cache_salt)
     prompt = None if args.chat else args.prompt
     if args.chat:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]

@@ -158,3 +158,14 @@ def test_generate_cli_streams_only_the_completion_to_stdout(server):
         capture_output=True, text=True, timeout=60,
     )
     assert bad.returncode != 0 and bad.stdout == "" and "top_p" in bad.stderr
+    salted = subprocess.run(  # priority and salt change scheduling and reuse, never the greedy tokens
+        [sys.executable, "-m", "inflight", "generate", "--server", server, "--prompt", "The capital of France is",
+         "--max-tokens", "12", "--temperature", "0", "--priority", "7", "--cache-salt", "tenant-a"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert salted.stdout == expected + "\n"
+    too_high = subprocess.run(
+        [sys.executable, "-m", "inflight", "generate", "--server", server, "--prompt", "hi", "--priority", "1000"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert too_high.returncode != 0 and "priority" in too_high.stderr
