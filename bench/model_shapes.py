@@ -8,6 +8,7 @@ that shape. The tokenizer only matters for text; the benchmarks send token ids.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -69,3 +70,28 @@ def weight_bytes(config: dict, bytes_per_param: int = 2) -> int:
 def kv_bytes_per_token(config: dict, bytes_per_value: int = 2) -> int:
     d = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * d * bytes_per_value
+
+
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """--shape or --model, --load-format and --tokenizer-from: what every engine benchmark builds."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a known model's shape")
+    src.add_argument("--model", default="smollm2-135m-instruct", help="model name, Hugging Face folder or .gguf")
+    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy with --shape, else auto")
+    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="with --shape: whose tokenizer to use")
+
+
+def default_load_format(args: argparse.Namespace) -> None:
+    """After parsing: --load-format defaults to random weights for a shape, the checkpoint's otherwise."""
+    if args.load_format is None:
+        args.load_format = "dummy" if args.shape else "auto"
+
+
+def resolve_model_source(args: argparse.Namespace) -> tuple[Path, dict]:
+    """The checkpoint folder and its config for the parsed model-source flags."""
+    from inflight.model_store import default_cache_dir, resolve_model
+
+    if args.shape:
+        return shape_folder(args.shape, default_cache_dir(), args.tokenizer_from), SHAPES[args.shape]
+    checkpoint = resolve_model(args.model)
+    return checkpoint, json.loads((checkpoint / "config.json").read_text())

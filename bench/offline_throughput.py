@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import REPO, device_info, free_port, git_info, log, pct  # noqa: E402
-from model_shapes import SHAPES, kv_bytes_per_token, shape_folder, weight_bytes  # noqa: E402
+from model_shapes import add_model_source_args, default_load_format, kv_bytes_per_token, resolve_model_source, weight_bytes  # noqa: E402
 
 
 def parse_scenarios(text: str) -> list[tuple[int, int]]:
@@ -49,13 +49,9 @@ def synthetic_prompts(count: int, length: int, seed: int, vocab: int) -> list[li
 def build_engine_dir(args) -> tuple[Path, dict]:
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_cached
-    from inflight.model_store import default_cache_dir, resolve_model
+    from inflight.model_store import default_cache_dir
 
-    if args.shape:
-        checkpoint, config = shape_folder(args.shape, default_cache_dir(), args.tokenizer_from), SHAPES[args.shape]
-    else:
-        checkpoint = resolve_model(args.model)
-        config = json.loads((checkpoint / "config.json").read_text())
+    checkpoint, config = resolve_model_source(args)
     longest = max(i + o for i, o in parse_scenarios(args.scenarios) + [tuple(args.batch1)])
     build = BuildConfig(
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
@@ -325,11 +321,7 @@ def run_peer(args, checkpoint_config: dict, result: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a known model's shape")
-    src.add_argument("--model", default="smollm2-135m-instruct", help="model name, Hugging Face folder or .gguf")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy with --shape, else auto")
-    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="with --shape: whose tokenizer to use")
+    add_model_source_args(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--scenarios", default="128x128,128x2048,2048x128,2048x2048", help="INPUTxOUTPUT,...")
@@ -352,8 +344,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")
     p.add_argument("--output", required=True)
     args = p.parse_args(argv)
-    if args.load_format is None:
-        args.load_format = "dummy" if args.shape else "auto"
+    default_load_format(args)
     return args
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import device_info, git_info, log, resolve_device_and_dtype, summarize_ms  # noqa: E402
-from model_shapes import SHAPES, shape_folder  # noqa: E402
+from model_shapes import add_model_source_args, default_load_format, resolve_model_source  # noqa: E402
 
 # --------------------------------------------------------------------------- requests
 
@@ -107,14 +107,10 @@ def load(args) -> tuple:
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
-    from inflight.model_store import default_cache_dir, resolve_model
+    from inflight.model_store import default_cache_dir
     from scheduler_svc.tokenizer import Tokenizer
 
-    if args.shape:
-        checkpoint, config = shape_folder(args.shape, default_cache_dir(), args.tokenizer_from), SHAPES[args.shape]
-    else:
-        checkpoint = resolve_model(args.model)
-        config = json.loads((checkpoint / "config.json").read_text())
+    checkpoint, config = resolve_model_source(args)
     build = BuildConfig(
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
         max_seq_len=args.max_seq_len, dtype=args.dtype, plugin_config=dict(item.split("=", 1) for item in args.plugin),
@@ -231,11 +227,7 @@ async def oversubscribed_workload(args, engine, tokenizer, vocab: int) -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a known model's shape")
-    src.add_argument("--model", default="smollm2-135m-instruct", help="model name, HF folder or .gguf")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"], help="default: dummy with --shape")
-    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="with --shape: whose tokenizer to use")
+    add_model_source_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--workloads", default="ttft,shared,oversubscribed")
@@ -263,8 +255,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--oversub-kv-fraction", type=float, default=0.5, help="KV pool as a fraction of what the load needs at once")
     p.add_argument("--output", default="bench/results/prefix_cache.json", help="JSON result path")
     args = p.parse_args(argv)
-    if args.load_format is None:
-        args.load_format = "dummy" if args.shape else "auto"
+    default_load_format(args)
     args.workloads = [w for w in args.workloads.split(",") if w]
     unknown = set(args.workloads) - {"ttft", "shared", "oversubscribed"}
     if unknown:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import device_info, git_info, log  # noqa: E402
 from inflight_load import InflightServer, RequestTrace, one_request, trace_metrics  # noqa: E402
 from offline_throughput import build_engine_dir, synthetic_prompts  # noqa: E402
-from model_shapes import SHAPES  # noqa: E402
+from model_shapes import add_model_source_args, default_load_format  # noqa: E402
 
 
 async def run_rate(client, rate: float, prompts: list[list[int]], output_len: int, seed: int) -> dict:
@@ -79,11 +79,7 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--shape", choices=sorted(SHAPES), help="random weights of a known model's shape")
-    src.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--load-format", default=None, choices=["auto", "dummy"])
-    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="with --shape: whose tokenizer to use")
+    add_model_source_args(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--rates", default="2,8,32", help="requests per second, comma-separated")
@@ -101,8 +97,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", required=True)
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)
-    if args.load_format is None:
-        args.load_format = "dummy" if args.shape else "auto"
+    default_load_format(args)
     # What the shared engine/server helpers expect.
     args.scenarios, args.batch1, args.max_seq_len = f"{args.input_len}x{args.output_len}", [1, 1], 0
     args.port = args.executor_port = 0
