@@ -51,6 +51,7 @@ def _bucket(sizes: list[int], need: int) -> int | None:
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # [batch_bucket, hidden], final-normed, written by each replay
     logits: torch.Tensor  # [batch_bucket, vocab] float32, written by each replay
 
 
@@ -98,9 +99,9 @@ class DecodeGraphs:
             multi_query_rows=[],
         )
 
-    def _forward(self, batch: int, width: int) -> torch.Tensor:
+    def _forward(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_cache, self._metadata(batch, width))
-        return self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -116,8 +117,8 @@ class DecodeGraphs:
                     self._forward(batch, width)  # warm-up: compiles kernels, sizes workspaces
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
-                        logits = self._forward(batch, width)
-                    self.graphs[(batch, width)] = _Graph(graph, logits)
+                        hidden, logits = self._forward(batch, width)
+                    self.graphs[(batch, width)] = _Graph(graph, hidden, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         log.info(
@@ -135,19 +136,20 @@ class DecodeGraphs:
 
     # -- replay ----------------------------------------------------------------
 
-    def fits(self, num_requests: int, max_context_len: int) -> bool:
+    def fits(self, num_rows: int, max_context_len: int) -> bool:
         width = -(-max_context_len // self.tokens_per_block)
-        return _bucket(self.batch_sizes, num_requests) is not None and _bucket(self.widths, width) is not None
+        return _bucket(self.batch_sizes, num_rows) is not None and _bucket(self.widths, width) is not None
 
     def run(
         self,
-        input_ids: list[int],  # [n] one token per request
+        input_ids: list[int],  # [n] one token per row
         positions: list[int],
         slots: list[int],
         context_lens: list[int],
-        block_tables: list[list[int]],  # per request, at least ceil(context_len / tokens_per_block) ids
+        block_tables: list[list[int]],  # per row, at least ceil(context_len / tokens_per_block) ids
         patch: tuple[torch.Tensor, torch.Tensor] | None = None,  # (rows, ids on the device) overriding input_ids
-    ) -> torch.Tensor:  # [n, vocab] float32 (a view into the graph's output: read it before the next run)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [n, vocab] float32, hidden [n, hidden]
+        """Replay the smallest graph that fits; the outputs are views into the graph's buffers (read them before the next run)."""
         n = len(input_ids)
         batch = _bucket(self.batch_sizes, n)
         width = _bucket(self.widths, -(-max(context_lens) // self.tokens_per_block))
@@ -175,4 +177,4 @@ class DecodeGraphs:
         entry = self.graphs[(batch, width)]
         entry.graph.replay()
         self.num_replays += 1
-        return entry.logits[:n]
+        return entry.logits[:n], entry.hidden[:n]

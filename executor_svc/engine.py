@@ -11,7 +11,7 @@ activations (vLLM's gpu_memory_utilization idea).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from executor_svc.engine_file import WEIGHTS_NAME, EngineManifest, check_device,
 from executor_svc.kv_offload import KVOffload
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
+from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 from kvcache.layout import KVCacheLayout
 
 log = logging.getLogger("inflight.executor")
@@ -39,6 +40,8 @@ class RuntimeConfig:
     kv_cache_fraction: float = 0.9  # of GPU memory, when kv_cache_bytes is 0
     cuda_graphs: bool = True  # capture generation steps on a GPU; False = always eager
     host_cache_bytes: int = 0  # host-memory tier of the KV cache (pinned on a GPU); 0 = none
+    num_kv_blocks: int = 0  # > 0: exactly this many blocks, whatever the budget says
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass(slots=True)
@@ -55,6 +58,9 @@ class Engine:
     dtype: torch.dtype
     decode_graphs: DecodeGraphs | None = None  # captured generation steps (GPU only)
     kv_offload: KVOffload | None = None  # the host tier of the KV cache and its copies
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # A draft model for speculative decoding: its KV cache mirrors this one's blocks.
+    draft: Engine | None = None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -97,6 +103,11 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
     from executor_svc.quantization.quantizer import prepare_quantized_engine
 
     runtime = runtime or RuntimeConfig()
+    draft = None
+    if runtime.speculative.mode is SpeculativeMode.DRAFT_MODEL:
+        # The draft's weights go first, so that the target's KV budget (what is free
+        # afterwards) leaves room for them; its cache is sized with the target's below.
+        draft = _load_draft(runtime)
     manifest = read_manifest(engine_dir)
     device = torch.device("cuda:0" if manifest.device.type == "cuda" else "cpu") if runtime.device == "auto" else torch.device(runtime.device)
     check_device(manifest, device, engine_dir)
@@ -118,7 +129,11 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
         tokens_per_block=build.tokens_per_block, dtype=dtype,
     )
     budget = runtime.kv_cache_bytes or _default_kv_budget(device, runtime.kv_cache_fraction)
-    num_blocks = layout.num_blocks_for_budget(budget) - 1  # one block of the budget is the scratch block
+    # A draft model's cache has as many blocks as the target's: the budget pays for both.
+    per_block = layout.bytes_per_block + (draft.layout.bytes_per_block if draft is not None else 0)
+    num_blocks = budget // per_block - 1  # one block of the budget is the scratch block
+    if runtime.num_kv_blocks:
+        num_blocks = runtime.num_kv_blocks
     min_blocks = -(-manifest.max_seq_len // build.tokens_per_block)
     if num_blocks < min_blocks:
         raise ValueError(
@@ -132,14 +147,42 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
         num_blocks, build.tokens_per_block, num_blocks * layout.bytes_per_block / 2**20,
     )
     engine = Engine(engine_dir, manifest, model, kv_cache, layout, num_blocks, device, dtype)
+    engine.speculative = runtime.speculative
     engine.kv_offload = KVOffload(kv_cache, num_blocks, KVOffload.blocks_for_budget(layout, runtime.host_cache_bytes))
     if device.type == "cuda" and runtime.cuda_graphs:
-        engine.decode_graphs = DecodeGraphs(
-            model, kv_cache, scratch_block=num_blocks, max_batch_size=build.max_batch_size,
-            max_seq_len=manifest.max_seq_len, tokens_per_block=build.tokens_per_block,
-        )
-        engine.decode_graphs.capture()
+        engine.decode_graphs = _capture_graphs(engine)
+    if draft is not None:
+        if draft.tokens_per_block != engine.tokens_per_block:
+            raise ValueError(
+                f"draft engine {draft.engine_dir} uses {draft.tokens_per_block} tokens per KV block, the target "
+                f"{engine.tokens_per_block}: build it with the same --tokens-per-block"
+            )
+        draft.kv_cache = None  # the placeholder cache goes before the real one is allocated
+        draft.kv_cache = draft.layout.allocate(num_blocks + 1, device)
+        draft.num_kv_blocks = num_blocks
+        if engine.decode_graphs is not None:
+            draft.decode_graphs = _capture_graphs(draft)
+        engine.draft = draft
     return engine
+
+
+def _capture_graphs(engine: Engine) -> DecodeGraphs:
+    graphs = DecodeGraphs(
+        engine.model, engine.kv_cache, scratch_block=engine.num_kv_blocks, max_batch_size=engine.max_batch_size,
+        max_seq_len=engine.max_seq_len, tokens_per_block=engine.tokens_per_block,
+    )
+    graphs.capture()
+    return graphs
+
+
+def _load_draft(runtime: RuntimeConfig) -> Engine:
+    """The draft model's engine with a placeholder KV cache (one sequence's worth) and no graphs yet."""
+    if runtime.speculative.draft_engine_dir is None:
+        raise ValueError("speculative mode draft_model needs a draft engine folder (--draft-engine)")
+    draft_dir = Path(runtime.speculative.draft_engine_dir)
+    manifest = read_manifest(draft_dir)
+    min_blocks = -(-manifest.max_seq_len // manifest.build_config.tokens_per_block)
+    return load_engine(draft_dir, RuntimeConfig(device=runtime.device, num_kv_blocks=min_blocks, cuda_graphs=False))
 
 
 def _default_kv_budget(device: torch.device, fraction: float) -> int:

@@ -11,6 +11,14 @@ Between the two the next plan may be launched already: a request whose last
 token is still on its way reads it straight from the previous step's device
 tensor, so the GPU never waits for the host to learn it. ``execute`` does both
 halves back to back.
+
+Speculative decoding: a plan may give a request draft tokens to verify after
+its last token. The chain (last token + k drafts) runs as k + 1 single-token
+attention rows (``packed_forward``), every row's logits judge the draft after
+it (``speculative.verify``), and ``finish`` emits the accepted prefix plus one
+token of the target's, rolls the request's computed count back past the
+rejected drafts (their KV slots are simply overwritten later), and asks the
+proposer for the next step's drafts.
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from executor_svc.engine import Engine
+from executor_svc.packed_forward import Segment, pack, run_packed, to_device
 from executor_svc.sampler import RequestSamplingState, Sampler
+from executor_svc.speculative.proposer import DraftRequest, build_proposer
+from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
-from kvcache.layout import slot_mapping
-from plugins.attention_metadata import AttentionMetadata
 from protos.plan import NewRequest, RequestOutput, StepPlan, StepResult
 
 
@@ -38,6 +47,8 @@ class RequestState:
     # Tokens sampled by launched steps whose results are not on the host yet, in
     # order: (that step, the row of this request among its sampled ids).
     pending: list[tuple[LaunchedStep, int]] = field(default_factory=list)
+    num_drafts_to_propose: int = 0  # after its next sampled token (from the latest plan)
+    verifying: bool = False  # a launched step verifies drafts for it: its length is unknown until it finishes
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +59,16 @@ Scheduled = tuple[str, RequestState, int]  # (request id, state, tokens to compu
 
 
 @dataclass(slots=True)
+class Verification:
+    """One request's chain of drafts in a launched step."""
+
+    request_id: str
+    state: RequestState
+    drafts: list[int]
+    first_row: int  # its first row among the step's verification rows
+
+
+@dataclass(slots=True)
 class LaunchedStep:
     """A step whose kernels are queued; ``finish`` turns it into a StepResult."""
 
@@ -55,7 +76,11 @@ class LaunchedStep:
     scheduled: list[Scheduled] = field(default_factory=list)
     sampling_requests: list[tuple[str, RequestState]] = field(default_factory=list)
     sampled: torch.Tensor | None = None  # [len(sampling_requests)] int64 on the device
-    sampled_host: torch.Tensor | None = None  # pinned copy, valid once `done` has completed
+    verifications: list[Verification] = field(default_factory=list)
+    # What the host reads: sampled ids, then the verification rows' tokens and accept flags.
+    host_values: torch.Tensor | None = None  # on the device until copied
+    sampled_host: torch.Tensor | None = None  # pinned copy of host_values, valid once `done` has completed
+    hidden: torch.Tensor | None = None  # [sampled + verification rows, hidden] when the proposer wants it
     done: torch.cuda.Event | None = None
     marks: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # for the GPU timeline
     started: float = 0.0
@@ -78,17 +103,28 @@ class ModelRunner:
         self.vocab_size = engine.model_config.vocab_size
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.proposer = build_proposer(engine.speculative, engine)
+        self.max_draft_tokens = 0
+        if self.proposer is not None:  # draft heads can guess no further than they have heads
+            self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
         # GPU busy/idle per step, for the benchmarks' idle-time figure.
         self.timeline = StepTimeline(self.device) if self.device.type == "cuda" else None
         # Host seconds spent launching steps (inputs, kernel launches) and finishing them
         # (apart from waiting for the GPU): the executor's share of the time between steps.
-        self.host_seconds = {"launch": 0.0, "finish": 0.0}
+        self.host_seconds = {"launch": 0.0, "finish": 0.0, "draft": 0.0}
 
     # -- state ---------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every request (the scheduler that owned them went away)."""
         self.requests.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
+
+    def _drop(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.drop(request_id)
 
     def _add(self, new: NewRequest) -> None:
         if new.request_id in self.requests:
@@ -103,6 +139,7 @@ class ModelRunner:
             block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             sampling=sampling,
+            num_drafts_to_propose=min(new.num_drafts_to_propose, self.max_draft_tokens),
         )
 
     # -- one step ------------------------------------------------------------
@@ -112,8 +149,11 @@ class ModelRunner:
         return self.finish(self.launch(plan))
 
     def needs_host_history(self, plan: StepPlan) -> bool:
-        """Whether ``plan`` samples for a request whose penalties need a token still on its way."""
+        """Whether ``plan`` needs the previous step finished first: penalties that read a
+        token still on its way, or drafts (verified against, and proposed from, known tokens)."""
         for cached in plan.cached_requests:
+            if cached.draft_token_ids or cached.num_drafts_to_propose:
+                return True
             state = self.requests.get(cached.request_id)
             if state is not None and state.pending and state.sampling.needs_output_history:
                 return True
@@ -124,9 +164,10 @@ class ModelRunner:
         if plan.swap_out or plan.swap_in:  # host-tier copies, before this step writes or reads those blocks
             self.engine.kv_offload.copy_blocks(plan.swap_out, plan.swap_in)
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
         errors: dict[str, str] = {}
         scheduled: list[Scheduled] = []
+        drafts: dict[str, list[int]] = {}
         for new in plan.new_requests:
             try:
                 self._add(new)
@@ -139,57 +180,84 @@ class ModelRunner:
                 errors[cached.request_id] = f"request {cached.request_id!r} is unknown to the executor"
                 continue
             state.block_table.extend(cached.new_block_ids)
-            if cached.num_computed_tokens != state.num_computed_tokens:
+            state.num_drafts_to_propose = min(cached.num_drafts_to_propose, self.max_draft_tokens)
+            if cached.num_computed_tokens != state.num_computed_tokens or state.verifying:
                 errors[cached.request_id] = (
                     f"plan says {cached.num_computed_tokens} computed tokens, executor has {state.num_computed_tokens}"
+                    + (" and a verification in flight" if state.verifying else "")
                 )
                 continue
+            if cached.draft_token_ids:
+                problem = self._check_drafts(state, cached.draft_token_ids, cached.num_scheduled_tokens)
+                if problem:
+                    errors[cached.request_id] = problem
+                    continue
+                drafts[cached.request_id] = list(cached.draft_token_ids)
             scheduled.append((cached.request_id, state, cached.num_scheduled_tokens))
         for request_id, state, count in list(scheduled):
             end = state.num_computed_tokens + count
             capacity = len(state.block_table) * self.tokens_per_block
-            if count <= 0 or end > state.num_tokens or end > capacity or end > self.engine.max_seq_len:
+            held = state.num_tokens + len(drafts.get(request_id, ()))
+            if count <= 0 or end > held or end > capacity or end > self.engine.max_seq_len:
                 errors[request_id] = (
                     f"cannot compute tokens [{state.num_computed_tokens}, {end}): request holds "
-                    f"{state.num_tokens} tokens, its blocks hold {capacity}, max_seq_len is {self.engine.max_seq_len}"
+                    f"{held} tokens, its blocks hold {capacity}, max_seq_len is {self.engine.max_seq_len}"
                 )
                 scheduled.remove((request_id, state, count))
         for request_id in errors:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
 
         step = LaunchedStep(result=StepResult(step_id=plan.step_id, request_errors=errors), started=started)
-        # Context work (several tokens) is packed before generation work (one token).
-        scheduled.sort(key=lambda item: item[2] == 1)
+        # Context work (several tokens of one query) is packed before generation work and draft chains.
+        scheduled.sort(key=lambda item: item[2] == 1 or item[0] in drafts)
         step.scheduled = scheduled
         if scheduled:
             try:
-                self._launch(step)
+                self._launch(step, drafts)
             except Exception as exc:  # a failed forward fails its batch, not the executor
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
         self.host_seconds["launch"] += time.perf_counter() - started
         return step
 
+    def _check_drafts(self, state: RequestState, draft_ids: list[int], count: int) -> str:
+        """Why ``draft_ids`` cannot be verified for ``state`` this step ('' when they can)."""
+        if self.proposer is None:
+            return "draft tokens given, but this executor runs without speculative decoding"
+        if count != 1 + len(draft_ids) or state.pending or state.num_computed_tokens != len(state.token_ids) - 1:
+            return (
+                f"{len(draft_ids)} drafts need a generation step of {1 + len(draft_ids)} tokens after the last one "
+                f"(plan schedules {count}; the request holds {state.num_tokens} tokens, {state.num_computed_tokens} computed)"
+            )
+        if len(draft_ids) > self.max_draft_tokens:
+            return f"{len(draft_ids)} drafts, more than this executor's {self.max_draft_tokens}"
+        if any(t < 0 or t >= self.vocab_size for t in draft_ids):
+            return f"draft token id outside [0, {self.vocab_size})"
+        if state.sampling.needs_output_history:
+            return "drafts cannot be verified for a request with penalties or min_tokens"
+        return ""
+
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""
         result = step.result
-        sampled: list[int] = []
+        values: list[int] = []
         finish_started = time.perf_counter()
-        if not step.error and step.sampled is not None:
+        if not step.error and step.host_values is not None:
             try:
                 if step.done is not None:
                     step.done.synchronize()  # the step's one wait for the device
                     finish_started = time.perf_counter()
-                    sampled = step.sampled_host.tolist()
+                    values = step.sampled_host.tolist()
                 else:
-                    sampled = step.sampled.tolist()
+                    values = step.host_values.tolist()
             except Exception as exc:
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
         if step.error:
             result.outputs.clear()
             for request_id, state, _ in step.scheduled:
                 result.request_errors[request_id] = step.error
-                self.requests.pop(request_id, None)
+                self._drop(request_id)
                 state.pending.clear()
+                state.verifying = False
             if self.timeline is not None:
                 self.timeline.discard()
             result.step_us = int((time.perf_counter() - step.started) * 1e6)
@@ -199,124 +267,144 @@ class ModelRunner:
                 self.timeline.collect(*step.marks, len(step.scheduled), step.num_tokens)
             else:  # nothing waited for the GPU (a context chunk with no token to sample): no reading
                 self.timeline.discard()
-        next_token = dict(zip((rid for rid, _ in step.sampling_requests), sampled))
+        num_plain = len(step.sampling_requests)
+        num_rows = (len(values) - num_plain) // 2
+        row_tokens, row_accepted = values[num_plain : num_plain + num_rows], values[num_plain + num_rows :]
+        plain = {rid: (row, token) for row, ((rid, _), token) in enumerate(zip(step.sampling_requests, values))}
+        chains = {v.request_id: v for v in step.verifications}
+        to_draft: list[tuple[RequestOutput, RequestState, int]] = []  # (output, state, its hidden row)
         for request_id, state, _ in step.scheduled:
-            token = next_token.get(request_id)
-            if token is None:
+            chain = chains.get(request_id)
+            if chain is not None:
+                rows = slice(chain.first_row, chain.first_row + len(chain.drafts) + 1)
+                tokens = accepted_prefix(row_tokens[rows], row_accepted[rows])
+                accepted = len(tokens) - 1
+                state.num_computed_tokens -= len(chain.drafts) - accepted  # rejected drafts' KV is stale
+                state.verifying = False
+                hidden_row = num_plain + chain.first_row + accepted
+            elif request_id in plain:
+                row, token = plain[request_id]
+                assert state.pending and state.pending[0][0] is step, "steps finish in launch order"
+                state.pending.pop(0)
+                tokens, accepted, hidden_row = [token], 0, row
+            else:
                 result.outputs.append(RequestOutput(request_id, []))
                 continue
-            assert state.pending and state.pending[0][0] is step, "steps finish in launch order"
-            state.pending.pop(0)
-            state.token_ids.append(token)
-            state.sampling.append_output([token])
-            result.outputs.append(RequestOutput(request_id, [token]))
+            state.token_ids.extend(tokens)
+            state.sampling.append_output(tokens)
+            output = RequestOutput(request_id, tokens, num_accepted_drafts=accepted)
+            result.outputs.append(output)
+            if state.num_drafts_to_propose and not state.pending and not state.sampling.needs_output_history:
+                to_draft.append((output, state, hidden_row))
+        if to_draft:
+            self._propose(step, to_draft)
         result.step_us = int((time.perf_counter() - step.started) * 1e6)
         self.host_seconds["finish"] += time.perf_counter() - finish_started
         return result
 
+    def _propose(self, step: LaunchedStep, to_draft: list[tuple[RequestOutput, RequestState, int]]) -> None:
+        """Drafts for the next step of every request that asked for them."""
+        started = time.perf_counter()
+        hidden = None
+        if self.proposer.needs_hidden and step.hidden is not None:
+            hidden = step.hidden.index_select(0, to_device([row for _, _, row in to_draft], torch.int64, self.device))
+        requests = [
+            DraftRequest(output.request_id, state.token_ids, state.block_table, state.num_drafts_to_propose,
+                         None if hidden is None else hidden[i])
+            for i, (output, state, _) in enumerate(to_draft)
+        ]
+        for (output, _, _), proposal in zip(to_draft, self.proposer.propose(requests)):
+            output.next_draft_token_ids = proposal
+        spent = time.perf_counter() - started
+        step.result.draft_us = int(spent * 1e6)
+        self.host_seconds["draft"] += spent
+
     @torch.inference_mode()
-    def _launch(self, step: LaunchedStep) -> None:
-        scheduled = step.scheduled
+    def _launch(self, step: LaunchedStep, drafts: dict[str, list[int]]) -> None:
         start_mark = self.timeline.mark() if self.timeline is not None else None
+        segments: list[Segment] = []
         tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        context_lens: list[int] = []
-        sample_rows: list[int] = []  # token index whose logits pick the next token
-        single_rows: list[int] = []
-        multi_rows: list[int] = []
+        plain_tokens: list[int] = []  # token index whose logits pick a request's next token
+        chain_tokens: list[int] = []  # token indices of every draft chain's rows
+        chain_drafts: list[int] = []  # per chain row: the draft it judges (NO_DRAFT on a chain's last row)
+        chain_states: list[RequestSamplingState] = []
         # Input tokens still on their way from an earlier step: (token index, that step, its row).
         from_device: list[tuple[int, LaunchedStep, int]] = []
-        for row, (request_id, state, count) in enumerate(scheduled):
+        for request_id, state, count in step.scheduled:
             start, end = state.num_computed_tokens, state.num_computed_tokens + count
+            chain = drafts.get(request_id)
+            if chain is not None:  # the last token, then the drafts: one attention row each
+                step.verifications.append(Verification(request_id, state, chain, len(chain_tokens)))
+                chain_tokens.extend(range(len(tokens), len(tokens) + count))
+                tokens.append(state.token_ids[-1])
+                tokens.extend(chain)
+                chain_drafts.extend(chain + [NO_DRAFT])
+                chain_states.extend([state.sampling] * count)
+                segments.append(Segment(state.block_table, start, count, as_rows=True))
+                continue
             known = len(state.token_ids)
             tokens.extend(state.token_ids[start:min(end, known)])
             for pos in range(max(start, known), end):
                 earlier, earlier_row = state.pending[pos - known]
                 from_device.append((len(tokens), earlier, earlier_row))
                 tokens.append(0)  # placeholder, overwritten on the device
-            positions.extend(range(start, end))
-            slots.extend(slot_mapping(state.block_table, start, end, self.tokens_per_block))
-            query_start.append(query_start[-1] + count)
-            context_lens.append(end)
-            (single_rows if count == 1 else multi_rows).append(row)
+            segments.append(Segment(state.block_table, start, count, as_rows=False))
             if end == state.num_tokens:  # reached the last token: sample the next
-                sample_rows.append(query_start[-1] - 1)
+                plain_tokens.append(len(tokens) - 1)
                 step.sampling_requests.append((request_id, state))
         step.num_tokens = len(tokens)
+        packed = pack(segments, self.tokens_per_block)
         patch = self._device_tokens(from_device)
 
         forward_start = time.perf_counter()
-        graphs = self.engine.decode_graphs
-        if graphs is not None and not multi_rows and graphs.fits(len(scheduled), max(context_lens)):
-            # A generation step: replay the captured graph; one row per request.
-            logits = graphs.run(tokens, positions, slots, context_lens, [s.block_table for _, s, _ in scheduled], patch)
-            if len(sample_rows) < len(scheduled):
-                logits = logits.index_select(0, _to_device(sample_rows, torch.int64, self.device))
-        else:
-            logits = self._forward_eager(scheduled, tokens, positions, slots, query_start, context_lens,
-                                         single_rows, multi_rows, sample_rows, patch)
+        want_hidden = self.proposer is not None and self.proposer.needs_hidden
+        logits, hidden = run_packed(
+            self.engine.model, self.engine.kv_cache, self.engine.decode_graphs, packed, tokens,
+            plain_tokens + chain_tokens, patch, want_hidden,
+        )
         sample_start = time.perf_counter()
+        parts: list[torch.Tensor] = []
+        num_plain = len(plain_tokens)
         if step.sampling_requests:
-            step.sampled = self.sampler.sample_on_device(logits, [s.sampling for _, s in step.sampling_requests])
+            step.sampled = self.sampler.sample_on_device(logits[:num_plain], [s.sampling for _, s in step.sampling_requests])
+            parts.append(step.sampled)
+        if step.verifications:
+            row_tokens, row_accepted = verify_drafts(
+                logits[num_plain:], to_device(chain_drafts, torch.int64, self.device), chain_states,
+            )
+            parts += [row_tokens, row_accepted.to(torch.int64)]
+        if parts:
+            step.host_values = torch.cat(parts) if len(parts) > 1 else parts[0]
             if self.device.type == "cuda":
-                step.sampled_host = torch.empty(step.sampled.shape, dtype=step.sampled.dtype, pin_memory=True)
-                step.sampled_host.copy_(step.sampled, non_blocking=True)
+                step.sampled_host = torch.empty(step.host_values.shape, dtype=torch.int64, pin_memory=True)
+                step.sampled_host.copy_(step.host_values, non_blocking=True)
                 step.done = torch.cuda.Event()
                 step.done.record()
+        if want_hidden:
+            step.hidden = hidden.clone() if hidden is not None else None  # graph outputs are overwritten by the next replay
         if start_mark is not None:
             step.marks = (start_mark, self.timeline.mark())
         step.result.forward_us = int((sample_start - forward_start) * 1e6)
         step.result.sample_us = int((time.perf_counter() - sample_start) * 1e6)
         # Bookkeeping only once everything is queued: a failure above leaves the states as they were.
-        for request_id, state, count in scheduled:
+        for request_id, state, count in step.scheduled:
             state.num_computed_tokens += count
         for row, (_, state) in enumerate(step.sampling_requests):
             state.pending.append((step, row))
+        for chain in step.verifications:
+            chain.state.verifying = True
 
     def _device_tokens(self, from_device: list[tuple[int, LaunchedStep, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token indices, their ids on the device) for input tokens an earlier step sampled."""
         if not from_device:
             return None
-        index = _to_device([i for i, _, _ in from_device], torch.int64, self.device)
+        index = to_device([i for i, _, _ in from_device], torch.int64, self.device)
         by_step: dict[int, tuple[LaunchedStep, list[int]]] = {}
         for _, earlier, row in from_device:
             by_step.setdefault(id(earlier), (earlier, []))[1].append(row)
         if len(by_step) == 1:
             earlier, rows = next(iter(by_step.values()))
-            values = earlier.sampled.index_select(0, _to_device(rows, torch.int64, self.device))
+            values = earlier.sampled.index_select(0, to_device(rows, torch.int64, self.device))
         else:  # tokens from several earlier steps, in from_device order
             values = torch.cat([e.sampled[r : r + 1] for _, e, r in from_device])
         return index, values
-
-    def _forward_eager(
-        self, scheduled: list[tuple[str, RequestState, int]], tokens: list[int], positions: list[int], slots: list[int],
-        query_start: list[int], context_lens: list[int], single_rows: list[int], multi_rows: list[int], sample_rows: list[int],
-        patch: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> torch.Tensor:  # [len(sample_rows), vocab] float32
-        device = self.device
-        max_blocks = max(len(s.block_table) for _, s, _ in scheduled)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for _, s, _ in scheduled]
-        meta = AttentionMetadata(
-            query_start=query_start,
-            context_lens=context_lens,
-            block_tables=_to_device(tables, torch.int64, device),
-            context_lens_t=_to_device(context_lens, torch.int64, device),
-            slot_mapping=_to_device(slots, torch.int64, device),
-            single_query_rows=_to_device(single_rows, torch.int64, device),
-            single_query_tokens=_to_device([query_start[r] for r in single_rows], torch.int64, device),
-            multi_query_rows=multi_rows,
-        )
-        input_ids = _to_device(tokens, torch.int64, device)
-        if patch is not None:
-            input_ids.index_copy_(0, *patch)
-        hidden = self.engine.model(input_ids, _to_device(positions, torch.int64, device), self.engine.kv_cache, meta)
-        return self.engine.model.compute_logits(hidden.index_select(0, _to_device(sample_rows, torch.int64, device)))
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

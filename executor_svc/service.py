@@ -19,6 +19,7 @@ import grpc
 from executor_svc import wire
 from executor_svc.engine import Engine
 from executor_svc.runner import ModelRunner
+from executor_svc.speculative.proposer import SpeculativeMode
 from executor_svc.step_pipeline import StepPipeline
 from protos import executor_pb2 as ex
 from protos import executor_pb2_grpc as ex_grpc
@@ -29,13 +30,17 @@ log = logging.getLogger("inflight.executor")
 MAX_MESSAGE_BYTES = 64 << 20  # a NewRequest carries whole prompts
 
 
-def executor_info(engine: Engine) -> ExecutorInfo:
+def executor_info(runner: ModelRunner) -> ExecutorInfo:
+    engine, spec = runner.engine, runner.engine.speculative
     return ExecutorInfo(
         model=engine.model_config.name, vocab_size=engine.model_config.vocab_size,
         num_kv_blocks=engine.num_kv_blocks, tokens_per_block=engine.tokens_per_block,
         max_batch_size=engine.max_batch_size, max_num_tokens=engine.max_num_tokens,
         max_seq_len=engine.max_seq_len, device=engine.device_name, dtype=engine.manifest.dtype,
         num_host_blocks=engine.kv_offload.num_host_blocks if engine.kv_offload is not None else 0,
+        speculative_mode=spec.mode.value,
+        max_draft_tokens=runner.max_draft_tokens,
+        drafts_need_lookahead_slots=spec.mode is SpeculativeMode.DRAFT_MODEL,
     )
 
 
@@ -46,7 +51,7 @@ class ExecutorService(ex_grpc.ExecutorServicer):
         self._attached = threading.Lock()
 
     def Info(self, request: ex.InfoRequest, context: grpc.ServicerContext) -> ex.InfoResponse:
-        return wire.info_to_pb(executor_info(self.engine))
+        return wire.info_to_pb(executor_info(self.pipeline.runner))
 
     def Step(self, request_iterator: Iterator[ex.StepPlan], context: grpc.ServicerContext) -> Iterator[ex.StepResult]:
         if not self._attached.acquire(blocking=False):

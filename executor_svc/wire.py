@@ -24,6 +24,7 @@ def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
                 request_id=r.request_id, token_ids=list(r.token_ids), num_prompt_tokens=r.num_prompt_tokens,
                 num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
                 block_ids=list(r.block_ids), sampling=_sampling_from_pb(r.sampling),
+                num_drafts_to_propose=r.num_drafts_to_propose,
             )
             for r in msg.new_requests
         ],
@@ -31,7 +32,7 @@ def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
             CachedRequest(
                 request_id=c.request_id, num_computed_tokens=c.num_computed_tokens,
                 num_scheduled_tokens=c.num_scheduled_tokens, new_block_ids=list(c.new_block_ids),
-                draft_token_ids=list(c.draft_token_ids),
+                draft_token_ids=list(c.draft_token_ids), num_drafts_to_propose=c.num_drafts_to_propose,
             )
             for c in msg.cached_requests
         ],
@@ -44,10 +45,14 @@ def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
 def result_to_pb(result: StepResult) -> ex.StepResult:
     msg = ex.StepResult(
         step_id=result.step_id, forward_us=result.forward_us, sample_us=result.sample_us, step_us=result.step_us,
+        draft_us=result.draft_us,
     )
     for o in result.outputs:
         msg.outputs.append(
-            ex.RequestOutput(request_id=o.request_id, token_ids=o.token_ids, next_draft_token_ids=o.next_draft_token_ids)
+            ex.RequestOutput(
+                request_id=o.request_id, token_ids=o.token_ids, next_draft_token_ids=o.next_draft_token_ids,
+                num_accepted_drafts=o.num_accepted_drafts,
+            )
         )
     msg.request_errors.update(result.request_errors)
     return msg
@@ -58,5 +63,6 @@ def info_to_pb(info: ExecutorInfo) -> ex.InfoResponse:
         model=info.model, vocab_size=info.vocab_size, num_kv_blocks=info.num_kv_blocks,
         tokens_per_block=info.tokens_per_block, max_batch_size=info.max_batch_size,
         max_num_tokens=info.max_num_tokens, max_seq_len=info.max_seq_len, device=info.device, dtype=info.dtype,
-        num_host_blocks=info.num_host_blocks,
+        num_host_blocks=info.num_host_blocks, speculative_mode=info.speculative_mode,
+        max_draft_tokens=info.max_draft_tokens, drafts_need_lookahead_slots=info.drafts_need_lookahead_slots,
     )

@@ -29,6 +29,15 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host-cache-gb", type=float, default=0.0,
                    help="host-memory tier of the prefix cache in GiB (pinned on a GPU): evicted blocks wait there; 0 = none")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: run every step eagerly")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", default="none", choices=["none", "ngram", "draft_model", "draft_heads"],
+                   help="ngram: drafts copied from the request's own tokens; draft_model: a small model of the same "
+                        "tokenizer (--draft-model); draft_heads: heads trained by `inflight train-draft`")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="most draft tokens per request per step")
+    g.add_argument("--draft-model", default=None,
+                   help="draft_model: engine folder, model name, Hugging Face folder or .gguf (built like the target)")
+    g.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest suffix to look up")
+    g.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
@@ -43,7 +52,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of common prompt prefixes")
     p.add_argument("--overlap-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="plan step N+1 while the executor runs step N (the executor feeds in the token still on its way)")
+                   help="plan step N+1 while the executor runs step N (the executor feeds in the token still on its way; "
+                        "off while speculative decoding runs)")
+    p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="speculative decoding: draft length follows measured acceptance and step cost (off: always the most)")
     if with_limits:  # a standalone scheduler may serve below the engine's limits
         g = p.add_argument_group("limits (0 = the executor's)")
         g.add_argument("--max-batch-size", type=int, default=0)

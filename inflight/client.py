@@ -39,6 +39,8 @@ class Usage:
     # Why the other prompt tokens were computed: reason -> tokens (see NotReusedTokens in generation.proto).
     not_reused: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for the request
+    num_accepted_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -141,7 +143,8 @@ def chunk_from_pb(msg: pb.GenerateResponse) -> Chunk:
     if msg.HasField("usage"):
         not_reused = {f.name: value for f, value in msg.usage.not_reused.ListFields()}
         usage = Usage(
-            msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens, not_reused, msg.usage.num_preemptions
+            msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens, not_reused, msg.usage.num_preemptions,
+            msg.usage.num_draft_tokens, msg.usage.num_accepted_draft_tokens,
         )
     return Chunk(msg.request_id, list(msg.token_ids), msg.text, _FINISH_NAMES[msg.finish_reason], usage, msg.error)
 

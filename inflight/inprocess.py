@@ -29,7 +29,7 @@ class InProcessExecutor:
         self._thread.start()
 
     async def info(self) -> ExecutorInfo:
-        return executor_info(self.engine)
+        return executor_info(self.runner)
 
     async def step(self, plan: StepPlan) -> StepResult:
         """Results come back in plan order; a second plan may be sent before the first returns."""

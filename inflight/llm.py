@@ -24,6 +24,7 @@ from pathlib import Path
 
 from executor_svc.build_config import BuildConfig
 from executor_svc.engine import RuntimeConfig, load_engine
+from executor_svc.speculative.proposer import SpeculativeConfig
 from inflight.engines import prepare_engine
 from inflight.inprocess import InProcessExecutor
 from kvcache.eviction_queue import KvCacheRetention
@@ -66,6 +67,8 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     not_reused: NotReusedTokens | None = None  # why the other prompt tokens were computed
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted
+    num_accepted_draft_tokens: int = 0
 
 
 Prompt = str | list[int]
@@ -110,14 +113,19 @@ class LLM:
         enable_prefix_caching: bool = True,
         host_cache_gb: float = 0.0,
         num_kv_blocks: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         """``capacity_policy``: GUARANTEED_NO_EVICT or MAX_UTILIZATION; ``host_cache_gb``: host-memory
-        tier of the prefix cache; ``num_kv_blocks``: use fewer KV blocks than the memory holds (0 = all)."""
+        tier of the prefix cache; ``num_kv_blocks``: use fewer KV blocks than the memory holds (0 = all);
+        ``speculative``: speculative decoding (n-gram lookup, a draft model's engine, or trained draft heads)."""
         if (model is None) == (engine_dir is None):
             raise ValueError("give exactly one of model= or engine_dir=")
         name = str(engine_dir) if engine_dir is not None else str(model)
         self.engine_dir = prepare_engine(name, build_config or BuildConfig(), device, load_format)
-        runtime = RuntimeConfig(device=device, kv_cache_bytes=int(kv_cache_gb * 2**30), host_cache_bytes=int(host_cache_gb * 2**30))
+        runtime = RuntimeConfig(
+            device=device, kv_cache_bytes=int(kv_cache_gb * 2**30), host_cache_bytes=int(host_cache_gb * 2**30),
+            speculative=speculative or SpeculativeConfig(),
+        )
         self._engine = load_engine(self.engine_dir, runtime)
         self.tokenizer = Tokenizer(self.engine_dir)
         self._loop = asyncio.new_event_loop()
@@ -172,6 +180,7 @@ class LLM:
         return RequestOutput(
             prompt, text, ids, last.finish_reason.value, usage.prompt_tokens, last.error,
             usage.cached_tokens, usage.not_reused, usage.num_preemptions,
+            usage.num_draft_tokens, usage.num_accepted_draft_tokens,
         )
 
     # -- streaming ---------------------------------------------------------------

@@ -16,6 +16,20 @@ from inflight.engines import build_config_from_args, prepare_engine
 log = logging.getLogger("inflight")
 
 
+def speculative_config_from_args(args: argparse.Namespace):
+    """The executor's SpeculativeConfig from the ``speculative decoding`` flags (builds a draft model when needed)."""
+    from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+
+    mode = SpeculativeMode("" if args.speculative == "none" else args.speculative)
+    draft_dir = None
+    if mode is SpeculativeMode.DRAFT_MODEL:
+        if not args.draft_model:
+            raise SystemExit("inflight: --speculative draft_model needs --draft-model")
+        # Built with the target's flags: the same tokens per block, dtype and limits.
+        draft_dir = prepare_engine(args.draft_model, build_config_from_args(args), args.device, args.load_format)
+    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir)
+
+
 def run_executor(args: argparse.Namespace) -> None:
     from executor_svc.engine import RuntimeConfig, load_engine
     from executor_svc.service import serve_executor
@@ -24,6 +38,7 @@ def run_executor(args: argparse.Namespace) -> None:
     runtime = RuntimeConfig(
         device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction,
         cuda_graphs=not args.enforce_eager, host_cache_bytes=int(args.host_cache_gb * 2**30),
+        speculative=speculative_config_from_args(args),
     )
     engine = load_engine(engine_dir, runtime)
     server, runner = serve_executor(engine, f"{args.host}:{args.port}")
@@ -52,7 +67,7 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
         max_seq_len=getattr(args, "max_seq_len", 0), max_queue_size=args.max_queue_size,
         num_kv_blocks=getattr(args, "num_kv_blocks", 0), max_host_blocks=getattr(args, "max_host_blocks", 0),
         capacity_policy=CapacityPolicy(args.capacity_policy.upper()), enable_prefix_caching=args.enable_prefix_caching,
-        overlap_scheduling=args.overlap_scheduling,
+        overlap_scheduling=args.overlap_scheduling, adaptive_draft_length=args.adaptive_draft_length,
     )
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()
@@ -75,12 +90,16 @@ def run_serve(args: argparse.Namespace) -> None:
     """The executor as a child process on loopback, the scheduler in this one."""
     # Build (or find) the engine here, once, so both processes use the same folder.
     engine_dir = prepare_engine(args.model, build_config_from_args(args), args.device, args.load_format)
+    draft_dir = speculative_config_from_args(args).draft_engine_dir
     executor_cmd = [
         sys.executable, "-m", "inflight", "--log-level", args.log_level, "executor", "--model", str(engine_dir),
         "--host", "127.0.0.1", "--port", str(args.executor_port), "--device", args.device,
         "--kv-cache-gb", str(args.kv_cache_gb), "--kv-cache-fraction", str(args.kv_cache_fraction),
         "--host-cache-gb", str(args.host_cache_gb),
         *(["--enforce-eager"] if args.enforce_eager else []),
+        "--speculative", args.speculative, "--num-draft-tokens", str(args.num_draft_tokens),
+        "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
+        *(["--draft-model", str(draft_dir)] if draft_dir else []),
     ]
     child = subprocess.Popen(executor_cmd)
     try:

@@ -43,6 +43,7 @@ class NewRequest:
     num_scheduled_tokens: int  # tokens to compute this step
     block_ids: list[int]
     sampling: SamplingConfig
+    num_drafts_to_propose: int = 0  # for the next step, once this one samples its token
 
 
 @dataclass(slots=True)
@@ -53,7 +54,9 @@ class CachedRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     new_block_ids: list[int] = field(default_factory=list)
-    draft_token_ids: list[int] = field(default_factory=list)  # reserved
+    # Drafts to verify this step, after the request's last token (num_scheduled_tokens = 1 + len).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafts_to_propose: int = 0  # for the next step
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +99,8 @@ class RequestOutput:
 
     request_id: str
     token_ids: list[int]
-    next_draft_token_ids: list[int] = field(default_factory=list)  # reserved
+    next_draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
+    num_accepted_drafts: int = 0  # of this step's drafts; token_ids = those + one of the target's
 
 
 @dataclass(slots=True)
@@ -108,6 +112,7 @@ class StepResult:
     forward_us: int = 0
     sample_us: int = 0
     step_us: int = 0
+    draft_us: int = 0  # proposing drafts for the next step (part of step_us)
     # request_id -> reason, for requests that failed in this step alone.
     request_errors: dict[str, str] = field(default_factory=dict)
 
@@ -126,3 +131,6 @@ class ExecutorInfo:
     device: str
     dtype: str
     num_host_blocks: int = 0  # slots of the host tier of the KV cache; 0 = none
+    speculative_mode: str = ""  # "", "ngram", "draft_model" or "draft_heads"
+    max_draft_tokens: int = 0  # most drafts proposed per request per step
+    drafts_need_lookahead_slots: bool = False  # proposing k drafts writes KV k - 1 positions ahead

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kvcache.eviction_queue import KvCacheRetention
 from kvcache.reuse_stats import KVCacheStats, NotReusedTokens
 from scheduler_svc.request import FinishReason
+from scheduler_svc.speculation import DraftStats
 
 
 @dataclass(slots=True)
@@ -56,6 +57,8 @@ class Usage:
     cached_tokens: int = 0
     not_reused: NotReusedTokens | None = None  # why the other prompt tokens were computed
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for the request
+    num_accepted_draft_tokens: int = 0  # and accepted
 
 
 @dataclass(slots=True)
@@ -97,3 +100,4 @@ class EngineStats:
     executor_ready: bool
     num_preemptions: int = 0
     kv: KVCacheStats | None = None  # None before an executor is attached
+    drafts: DraftStats | None = None  # speculative decoding counts (None before an executor is attached)

@@ -49,6 +49,8 @@ class EngineLimits:
     max_host_blocks: int = 0  # use fewer host-tier blocks than the executor has
     capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
     enable_prefix_caching: bool = True
+    max_draft_tokens: int = -1  # speculative decoding: -1 = the executor's most, 0 = off
+    adaptive_draft_length: bool = True  # draft length follows acceptance and load (off: always the most)
 
 
 @dataclass(slots=True)
@@ -92,6 +94,9 @@ class AsyncEngine:
             capacity_policy=lim.capacity_policy,
             enable_prefix_caching=lim.enable_prefix_caching,
             num_host_blocks=min(lim.max_host_blocks or info.num_host_blocks, info.num_host_blocks),
+            max_draft_tokens=info.max_draft_tokens if lim.max_draft_tokens < 0 else min(lim.max_draft_tokens, info.max_draft_tokens),
+            draft_lookahead_slots=info.drafts_need_lookahead_slots,
+            adaptive_draft_length=lim.adaptive_draft_length,
         )
         self.scheduler = Scheduler(config)
         self._healthy = True
@@ -135,7 +140,7 @@ class AsyncEngine:
         return EngineStats(
             num_running_requests=len(scheduler.running), num_waiting_requests=len(scheduler.waiting),
             num_steps=self.num_steps, executor_ready=self.healthy, num_preemptions=scheduler.num_preemptions,
-            kv=scheduler.kv.stats(),
+            kv=scheduler.kv.stats(), drafts=scheduler.drafts,
         )
 
     def limits_for_validation(self) -> Limits:
@@ -197,10 +202,11 @@ class AsyncEngine:
         # the token each running request will get as held, the executor feeds it in itself,
         # and neither side waits for the other between steps.
         in_flight: deque[asyncio.Future[StepResult]] = deque()
-        depth = 2 if self.limits.overlap_scheduling else 1
         while True:
             scheduler = self.scheduler
             assert scheduler is not None
+            # Drafts are judged and proposed from each step's result: speculation plans one step at a time.
+            depth = 2 if self.limits.overlap_scheduling and not scheduler.config.max_draft_tokens else 1
             if len(in_flight) < depth and scheduler.has_work:
                 started = time.perf_counter()
                 plan = scheduler.schedule()
@@ -271,6 +277,7 @@ class AsyncEngine:
                 usage=Usage(
                     request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
                     request.not_reused, request.num_preemptions,
+                    request.num_draft_tokens, request.num_accepted_draft_tokens,
                 ),
                 error=request.error,
             )

@@ -9,6 +9,7 @@ from kvcache.block_hash import BlockHashes
 from kvcache.eviction_queue import KvCacheRetention
 from kvcache.reuse_stats import NotReusedTokens
 from protos.plan import SamplingConfig
+from scheduler_svc.speculation import Acceptance
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +68,13 @@ class Request:
     # scheduling the next step is planned before the last result is back; the executor
     # feeds those tokens in itself, so they count as held tokens when planning.
     num_pending_outputs: int = 0
+    # Speculative decoding: drafts the executor proposed for the next step, how many the step
+    # in flight verifies, the request's acceptance rate, and its usage counts.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_scheduled_drafts: int = 0
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +96,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def can_speculate(self) -> bool:
+        """Penalties and min_tokens depend on every token before the one sampled: no drafts for those."""
+        s = self.sampling
+        return (
+            s.repetition_penalty == 1.0 and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0
+            and not (s.min_tokens > 0 and s.min_tokens_blocked_ids)
+        )
 
     def check_token_stop(self, token: int) -> FinishReason | None:
         """Stop conditions decided by token ids alone (stop strings need text)."""

@@ -28,6 +28,14 @@ Capacity policies (TensorRT-LLM's names):
   are freed, its full blocks stay in the prefix cache, and it goes back to the
   front of its priority in the waiting queue. A waiting request that does not
   fit may likewise preempt running requests of strictly lower priority.
+
+Speculative decoding is the same rule once more: a request in generation
+with drafts from the executor computes 1 + k tokens (its last token and k
+drafts) and ``num_computed_tokens`` moves past them; when the result says a
+of the k were accepted it moves back by k - a, and the rejected drafts' slots
+are simply written again by the next step. How long k is follows the load
+(``speculation.py``). Speculation needs each step's result before the next
+plan, so it runs without overlapped scheduling.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from kvcache.manager import KVCacheManager
 from protos.plan import BlockCopy, CachedRequest, NewRequest, StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.scheduler_config import CapacityPolicy, SchedulerConfig
+from scheduler_svc.speculation import Candidate, DraftLengthPolicy, DraftStats
 from scheduler_svc.waiting_queue import WaitingQueue
 
 __all__ = ["CapacityPolicy", "RequestUpdate", "Scheduler", "SchedulerConfig"]
@@ -58,6 +67,8 @@ class _Scheduled:
     request: Request
     num_tokens: int
     new_blocks: list[int]
+    drafts: list[int] = field(default_factory=list)  # verified this step (num_tokens = 1 + len)
+    propose: int = 0  # drafts the executor proposes for the request's next step
 
 
 @dataclass(slots=True)
@@ -87,6 +98,10 @@ class Scheduler:
         self._sampling: dict[int, list[str]] = {}  # step id -> requests that step samples a token for
         self._step_id = 0
         self.num_preemptions = 0
+        self.drafts = DraftStats(by_position=[0] * config.max_draft_tokens,
+                                 accepted_by_position=[0] * config.max_draft_tokens)
+        self.draft_policy = DraftLengthPolicy(config.max_draft_tokens, config.adaptive_draft_length)
+        self._step_shape: dict[int, tuple[int, int, int]] = {}  # step id -> (tokens, requests, drafts asked)
 
     @property
     def guaranteed(self) -> bool:
@@ -137,29 +152,75 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         # By priority; within one, generation work (one missing token) before context in progress.
         order = sorted(self.running, key=lambda r: (-r.priority, r.num_tokens - r.num_computed_tokens > 1))
+        draft_length = self._choose_draft_length(order)
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
+            if request.num_scheduled_drafts:
+                continue  # its drafts are being verified: its length is unknown until the result
             held = request.num_tokens + request.num_pending_outputs
             if request.num_pending_outputs and (
                 len(request.output_token_ids) + request.num_pending_outputs >= request.stopping.max_tokens
                 or held >= self.config.max_seq_len
             ):
                 continue  # its last token is already on its way
-            count = self._chunk(held - request.num_computed_tokens, step.token_budget)
+            drafts = self._drafts_for(request)[:max(0, min(draft_length, step.token_budget - 1))]
+            count = 1 + len(drafts) if drafts else self._chunk(held - request.num_computed_tokens, step.token_budget)
             if count == 0:
                 continue
-            new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count)
+            propose, lookahead = self._propose_for(request, request.num_computed_tokens + count, held)
+            need = request.num_computed_tokens + count + lookahead
+            new_blocks = self.kv.allocate_slots(request.request_id, need)
             while new_blocks is None:  # no free block: MAX_UTILIZATION preempts (the other policy reserved them)
                 assert not self.guaranteed, "a GUARANTEED_NO_EVICT request ran out of reserved blocks"
                 victim = min(self.running, key=_victim_order)
                 self._preempt(victim, step)
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request.request_id, request.num_computed_tokens + count)
+                new_blocks = self.kv.allocate_slots(request.request_id, need)
             if new_blocks is not None:
-                step.chosen[request.request_id] = _Scheduled(request, count, new_blocks)
+                step.chosen[request.request_id] = _Scheduled(request, count, new_blocks, drafts, propose)
                 step.token_budget -= count
+
+    # -- speculative decoding ----------------------------------------------------
+
+    def _drafts_for(self, request: Request) -> list[int]:
+        """The drafts ``request`` may verify this step, cut to its limits (empty: a plain step)."""
+        if not request.draft_token_ids or request.num_pending_outputs or not request.can_speculate:
+            return []
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return []
+        # k drafts emit up to k + 1 tokens: stay within max_tokens and max_seq_len.
+        room = min(
+            request.stopping.max_tokens - len(request.output_token_ids), self.config.max_seq_len - request.num_tokens
+        ) - 1
+        return request.draft_token_ids[: max(0, room)]
+
+    def _choose_draft_length(self, order: list[Request]) -> int:
+        if not self.config.max_draft_tokens:
+            return 0
+        candidates, other = [], 0
+        for request in order:
+            drafts = self._drafts_for(request)
+            if drafts:
+                candidates.append(Candidate(request.request_id, len(drafts), request.acceptance.rate))
+            elif not request.num_scheduled_drafts:
+                other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
+        other = min(other, self.config.max_num_tokens)
+        return self.draft_policy.choose(candidates, other, len(order))
+
+    def _propose_for(self, request: Request, computed_after: int, held: int) -> tuple[int, int]:
+        """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).
+
+        ``computed_after`` is where this step leaves ``num_computed_tokens``; nothing is
+        proposed unless this step samples the request's next token.
+        """
+        cfg = self.config
+        if not cfg.max_draft_tokens or not request.can_speculate or computed_after < held:
+            return 0, 0
+        limit = min(request.max_total_tokens, cfg.max_seq_len) - computed_after
+        propose = max(0, min(self.draft_policy.drafts_to_propose(), limit))
+        return propose, propose if cfg.draft_lookahead_slots else 0
 
     def _admit_waiting(self, step: _Step) -> None:
         cfg = self.config
@@ -180,20 +241,21 @@ class Scheduler:
             count = self._chunk(request.num_tokens - num_cached, step.token_budget)
             if count == 0:
                 break
+            propose, lookahead = self._propose_for(request, num_cached + count, request.num_tokens)
             lifetime = request.max_total_tokens if self.guaranteed else None
-            if not self.kv.can_admit(hit, num_cached + count, lifetime):
+            if not self.kv.can_admit(hit, num_cached + count + lookahead, lifetime):
                 if self._preempt_lower_priority(request, step):
                     continue
                 break  # first come, first served within a priority: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.admit(request.request_id, hit, num_cached + count, lifetime, request.retention)
+            self.kv.admit(request.request_id, hit, num_cached + count + lookahead, lifetime, request.retention)
             if request.not_reused is None:  # first admission: what the prompt reused, and why not more
                 request.num_cached_tokens = num_cached
                 request.not_reused = self.kv.explain_prompt(hashes, request.prompt_token_ids, hit.num_blocks)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.chosen[request.request_id] = _Scheduled(request, count, [])
+            step.chosen[request.request_id] = _Scheduled(request, count, [], propose=propose)
             step.token_budget -= count
 
     def _preempt_lower_priority(self, request: Request, step: _Step) -> bool:
@@ -218,6 +280,8 @@ class Scheduler:
         victim.sent_to_executor = False
         victim.num_computed_tokens = 0
         victim.num_pending_outputs = 0  # a token still on its way is dropped; the resumed request samples it again
+        victim.draft_token_ids = []
+        victim.num_scheduled_drafts = 0
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.waiting.append_front(victim)
@@ -239,6 +303,7 @@ class Scheduler:
                         num_scheduled_tokens=item.num_tokens,
                         block_ids=list(self.kv.block_table(request.request_id)),
                         sampling=request.sampling,
+                        num_drafts_to_propose=item.propose,
                     )
                 )
                 request.sent_to_executor = True
@@ -249,12 +314,19 @@ class Scheduler:
                         num_computed_tokens=request.num_computed_tokens,
                         num_scheduled_tokens=item.num_tokens,
                         new_block_ids=item.new_blocks,
+                        draft_token_ids=item.drafts,
+                        num_drafts_to_propose=item.propose,
                     )
                 )
             request.num_computed_tokens += item.num_tokens
-            if request.num_computed_tokens == request.num_tokens + request.num_pending_outputs:
-                request.num_pending_outputs += 1  # this step samples its next token
+            request.num_scheduled_drafts = len(item.drafts)
+            request.draft_token_ids = []  # used now, or stale after this step
+            if request.num_computed_tokens - len(item.drafts) == request.num_tokens + request.num_pending_outputs:
+                request.num_pending_outputs += 1  # this step samples its next token (and judges its drafts)
                 self._sampling.setdefault(plan.step_id, []).append(request.request_id)
+        self._step_shape[plan.step_id] = (
+            plan.num_scheduled_tokens, len(step.chosen), max((i.propose for i in step.chosen.values()), default=0),
+        )
         copies = self.kv.take_copies()
         plan.swap_out = [BlockCopy(device_block=d, host_slot=h) for d, h in copies.swap_out]
         plan.swap_in = [BlockCopy(device_block=d, host_slot=h) for h, d in copies.swap_in]
@@ -262,6 +334,22 @@ class Scheduler:
             # An empty plan is not sent to the executor: its drops ride along with the next one.
             self._dropped_ids = []
         return plan
+
+    def _judged(self, request: Request, accepted: int) -> None:
+        """A step verified ``request``'s drafts and accepted ``accepted`` of them."""
+        k = request.num_scheduled_drafts
+        accepted = min(accepted, k)
+        request.num_computed_tokens -= k - accepted  # the rejected drafts' slots get written again
+        request.num_scheduled_drafts = 0
+        request.acceptance.observe(k, accepted)
+        request.num_draft_tokens += k
+        request.num_accepted_draft_tokens += accepted
+        stats = self.drafts
+        stats.num_draft_tokens += k
+        stats.num_accepted += accepted
+        for i in range(k):
+            stats.by_position[i] += 1
+            stats.accepted_by_position[i] += i < accepted
 
     def _chunk(self, missing: int, token_budget: int) -> int:
         """Tokens to compute this step, of ``missing``, within ``token_budget``."""
@@ -273,6 +361,10 @@ class Scheduler:
     def update(self, result: StepResult) -> list[RequestUpdate]:
         """Apply a StepResult: append tokens, cache computed blocks, decide token-level stops, free blocks."""
         updates: list[RequestUpdate] = []
+        shape = self._step_shape.pop(result.step_id, None)
+        if shape is not None and result.step_us and self.config.max_draft_tokens:
+            tokens, batch, rounds = shape
+            self.draft_policy.costs.observe(tokens, result.step_us / 1e6, batch, result.draft_us / 1e6, rounds)
         for request_id in self._sampling.pop(result.step_id, []):
             request = self.requests.get(request_id)
             if request is not None and request.num_pending_outputs > 0:
@@ -287,6 +379,9 @@ class Scheduler:
             request = self.requests.get(output.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished (e.g. cancelled) while the step ran
+            if request.num_scheduled_drafts:
+                self._judged(request, output.num_accepted_drafts)
+            request.draft_token_ids = list(output.next_draft_token_ids)
             # The step is done: its full blocks may serve other requests from now on.
             assert request.block_hashes is not None
             # Up to the tokens known here: a later step in flight may have computed more.

@@ -22,6 +22,12 @@ class SchedulerConfig:
     capacity_policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
     enable_prefix_caching: bool = True
     num_host_blocks: int = 0  # host tier of the prefix cache; 0 = none
+    # Speculative decoding (what the executor offers): most drafts per request per step, whether
+    # proposing k drafts writes k - 1 KV slots ahead (a draft model), and whether the draft
+    # length follows the measured acceptance and step costs (off: always the most).
+    max_draft_tokens: int = 0
+    draft_lookahead_slots: bool = False
+    adaptive_draft_length: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_tokens < self.tokens_per_block:

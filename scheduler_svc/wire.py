@@ -81,6 +81,8 @@ def chunk_to_pb(chunk: GenerationChunk) -> pb.GenerateResponse:
         msg.usage.completion_tokens = chunk.usage.completion_tokens
         msg.usage.cached_tokens = chunk.usage.cached_tokens
         msg.usage.num_preemptions = chunk.usage.num_preemptions
+        msg.usage.num_draft_tokens = chunk.usage.num_draft_tokens
+        msg.usage.num_accepted_draft_tokens = chunk.usage.num_accepted_draft_tokens
         if chunk.usage.not_reused is not None:
             msg.usage.not_reused.CopyFrom(_not_reused_to_pb(chunk.usage.not_reused))
     return msg
@@ -98,6 +100,11 @@ def stats_to_pb(stats: EngineStats) -> pb.StatsResponse:
         num_running_requests=stats.num_running_requests, num_waiting_requests=stats.num_waiting_requests,
         num_steps=stats.num_steps, executor_ready=stats.executor_ready, num_preemptions=stats.num_preemptions,
     )
+    if stats.drafts is not None:
+        d = stats.drafts
+        msg.num_draft_tokens, msg.num_accepted_draft_tokens = d.num_draft_tokens, d.num_accepted
+        msg.draft_tokens_by_position.extend(d.by_position)
+        msg.accepted_draft_tokens_by_position.extend(d.accepted_by_position)
     kv = stats.kv
     if kv is not None:
         msg.num_free_kv_blocks, msg.num_kv_blocks, msg.num_cached_kv_blocks = kv.num_free_blocks, kv.num_blocks, kv.num_cached_free_blocks
@@ -143,6 +150,7 @@ def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
                 request_id=r.request_id, token_ids=r.token_ids, num_prompt_tokens=r.num_prompt_tokens,
                 num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
                 block_ids=r.block_ids, sampling=_sampling_to_pb(r.sampling),
+                num_drafts_to_propose=r.num_drafts_to_propose,
             )
         )
     for c in plan.cached_requests:
@@ -150,7 +158,7 @@ def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
             ex.CachedRequest(
                 request_id=c.request_id, num_computed_tokens=c.num_computed_tokens,
                 num_scheduled_tokens=c.num_scheduled_tokens, new_block_ids=c.new_block_ids,
-                draft_token_ids=c.draft_token_ids,
+                draft_token_ids=c.draft_token_ids, num_drafts_to_propose=c.num_drafts_to_propose,
             )
         )
     return msg
@@ -160,9 +168,10 @@ def result_from_pb(msg: ex.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
         outputs=[
-            RequestOutput(o.request_id, list(o.token_ids), list(o.next_draft_token_ids)) for o in msg.outputs
+            RequestOutput(o.request_id, list(o.token_ids), list(o.next_draft_token_ids), o.num_accepted_drafts)
+            for o in msg.outputs
         ],
-        forward_us=msg.forward_us, sample_us=msg.sample_us, step_us=msg.step_us,
+        forward_us=msg.forward_us, sample_us=msg.sample_us, step_us=msg.step_us, draft_us=msg.draft_us,
         request_errors=dict(msg.request_errors),
     )
 
@@ -172,5 +181,6 @@ def info_from_pb(msg: ex.InfoResponse) -> ExecutorInfo:
         model=msg.model, vocab_size=msg.vocab_size, num_kv_blocks=msg.num_kv_blocks,
         tokens_per_block=msg.tokens_per_block, max_batch_size=msg.max_batch_size,
         max_num_tokens=msg.max_num_tokens, max_seq_len=msg.max_seq_len, device=msg.device, dtype=msg.dtype,
-        num_host_blocks=msg.num_host_blocks,
+        num_host_blocks=msg.num_host_blocks, speculative_mode=msg.speculative_mode,
+        max_draft_tokens=msg.max_draft_tokens, drafts_need_lookahead_slots=msg.drafts_need_lookahead_slots,
     )

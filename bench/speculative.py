@@ -1,0 +1,335 @@
+"""Speculative decoding benchmarks: speedup at batch 1, no loss under load, and the cost of verifying.
+
+Two parts, each with speculation off measured in the same run:
+
+``generate`` (a real model, e.g. SmolLM2): greedy requests through the real
+scheduler and executor in one process. Batch 1 runs the prompts one at a time
+and reports output tokens/s with each mode against none, the mean accepted
+length (tokens a request gets per step) and acceptance by draft position.
+Batch N submits N requests at once (EOS ignored, fixed length) and compares
+output tokens/s: the load-aware draft length must keep it from dropping.
+
+``verify-cost`` (random weights of a target and a draft of its family, e.g.
+Llama-3.1-8B and Llama-3.2-1B): step time of verifying k drafts against a
+plain generation step, and the draft model's time to propose k, at a few batch
+sizes. With random weights acceptance means nothing; these times bound what
+any acceptance rate can gain, and the report gives the speedup they imply for
+a few rates.
+
+Examples:
+  python bench/speculative.py generate --device cuda --modes none,ngram,draft_heads --prompts grounded
+  python bench/speculative.py verify-cost --device cuda --shape llama-3.1-8b --draft-shape llama-3.2-1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tqdm import tqdm  # noqa: E402
+
+from bench_common import CORPUS, log, write_report  # noqa: E402
+from model_shapes import SHAPES, add_model_source_args, default_load_format, resolve_model_source, shape_folder  # noqa: E402
+
+# Requests whose answers copy from their input: summarise, rewrite, edit code.
+_PARAGRAPHS = [p.strip() for p in CORPUS.split("\n") if len(p) > 80]
+_CODE = [
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n"
+    "    def pop(self):\n        return self.items.pop()\n",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+]
+GROUNDED = (
+    [f"Rewrite this text, keeping every sentence:\n\n{p}" for p in _PARAGRAPHS[:4]]
+    + [f"Summarize the following text.\n\n{p}" for p in _PARAGRAPHS[4:7]]
+    + [f"Add a docstring to this Python code and return the whole code:\n\n{c}" for c in _CODE]
+    + [f"Rename the variable `total` to `acc` in this code and return the code:\n\n{_CODE[0]}"]
+)
+CHAT = [
+    "What are three benefits of regular exercise?",
+    "Write a short story about a dragon who is afraid of the dark.",
+    "Explain how a bicycle stays upright.",
+    "Give me a recipe for a simple tomato soup.",
+    "What is the difference between weather and climate?",
+    "Write a haiku about autumn leaves.",
+    "How do I make a good first impression at a job interview?",
+    "Explain photosynthesis to a ten-year-old.",
+    "What should I pack for a weekend camping trip?",
+    "Describe the water cycle in a few sentences.",
+    "Why is the sky blue?",
+    "Suggest five names for a coffee shop.",
+]
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def _mode_config(name: str, args):
+    from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+
+    mode = SpeculativeMode("" if name == "none" else name)
+    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max)
+
+
+async def _run(async_engine, requests, desc: str) -> dict:
+    """Submit ``requests`` (all at once); output tokens/s and speculation counts."""
+    now = async_engine.stats().drafts
+    stats_before = dataclasses.replace(now, by_position=list(now.by_position), accepted_by_position=list(now.accepted_by_position))
+    steps_before = async_engine.num_steps
+    outputs: list[list[int]] = [[] for _ in requests]
+    usages = [None] * len(requests)
+    with tqdm(desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
+        async def one(i, request):
+            async for chunk in async_engine.generate(request):
+                outputs[i].extend(chunk.token_ids)
+                usages[i] = chunk.usage or usages[i]
+                bar.update(len(chunk.token_ids))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+        wall = time.perf_counter() - started
+    drafts = async_engine.stats().drafts
+    proposed = drafts.num_draft_tokens - stats_before.num_draft_tokens
+    accepted = drafts.num_accepted - stats_before.num_accepted
+    tokens = sum(map(len, outputs))
+    return {
+        "outputs": outputs, "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+        "steps": async_engine.num_steps - steps_before,
+        "draft_tokens": proposed, "accepted_draft_tokens": accepted,
+        "drafts_by_position": [b - b0 for b, b0 in zip(drafts.by_position, stats_before.by_position)],
+        "accepted_by_position": [a - a0 for a, a0 in zip(drafts.accepted_by_position, stats_before.accepted_by_position)],
+    }
+
+
+def _rates(drafted: list[int], accepted: list[int]) -> list[float | None]:
+    return [a / d if d else None for d, a in zip(drafted, accepted)]
+
+
+def run_generate(args) -> dict:
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_cached
+    from executor_svc.engine import RuntimeConfig, load_engine
+    from inflight.inprocess import InProcessExecutor
+    from inflight.model_store import default_cache_dir
+    from scheduler_svc.api_types import GenerationRequest
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.tokenizer import Tokenizer
+
+    checkpoint, _ = resolve_model_source(args)
+    build = BuildConfig(max_batch_size=max(args.batch_sizes), max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
+                        tokens_per_block=args.tokens_per_block, dtype=args.dtype)
+    engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
+    base = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction))
+    tokenizer = Tokenizer(engine_dir)
+    prompts = {"grounded": GROUNDED, "chat": CHAT}[args.prompts][: args.num_prompts or None]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    report: dict = {"engine_dir": engine_dir.name, "prompts": args.prompts, "num_prompts": len(texts), "modes": {}}
+
+    async def measure(mode: str) -> dict:
+        engine = dataclasses.replace(base, speculative=_mode_config(mode, args))
+        limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=not args.fixed_draft_length)
+        async_engine = AsyncEngine(InProcessExecutor(engine), tokenizer, limits)
+        await async_engine.start()
+        out: dict = {}
+        try:
+            warm = [GenerationRequest(token_ids=texts[0], max_tokens=16, temperature=0.0)]
+            await _run(async_engine, warm, f"{mode} warm-up")
+            # Batch 1: one request at a time, to EOS or max_tokens.
+            runs = []
+            for i, text in enumerate(texts):
+                request = GenerationRequest(token_ids=text, max_tokens=args.max_tokens, temperature=0.0)
+                runs.append(await _run(async_engine, [request], f"{mode} batch 1 [{i + 1}/{len(texts)}]"))
+            wall = sum(r["wall_s"] for r in runs)
+            tokens = sum(r["output_tokens"] for r in runs)
+            # Tokens a request gets per generation step (its first token comes from the prompt's step).
+            steps = sum(r["steps"] - 1 for r in runs)
+            drafted = [sum(col) for col in zip(*(r["drafts_by_position"] for r in runs))]
+            accepted_at = [sum(col) for col in zip(*(r["accepted_by_position"] for r in runs))]
+            proposed = sum(r["draft_tokens"] for r in runs)
+            accepted = sum(r["accepted_draft_tokens"] for r in runs)
+            out["batch1"] = {
+                "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+                "mean_accepted_length": (tokens - len(runs)) / max(steps, 1),
+                "draft_tokens": proposed, "accepted_draft_tokens": accepted,
+                "acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": _rates(drafted, accepted_at),
+                "outputs": [r["outputs"][0] for r in runs],
+            }
+            log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
+            for batch in [b for b in args.batch_sizes if b > 1]:
+                requests = [
+                    GenerationRequest(token_ids=texts[i % len(texts)], max_tokens=args.batch_max_tokens, temperature=0.0,
+                                      ignore_eos=True)
+                    for i in range(batch)
+                ]
+                run = await _run(async_engine, requests, f"{mode} batch {batch}")
+                run.pop("outputs")
+                run["acceptance_by_position"] = _rates(run.pop("drafts_by_position"), run.pop("accepted_by_position"))
+                out[f"batch{batch}"] = run
+                log(f"{mode}: batch {batch} {run['output_tokens_per_s']:.0f} tok/s")
+        finally:
+            await async_engine.stop()
+        return out
+
+    async def main() -> None:
+        for mode in args.modes:
+            report["modes"][mode] = await measure(mode)
+
+    asyncio.run(main())
+    plain = report["modes"].get("none")
+    if plain is not None:
+        for mode, res in report["modes"].items():
+            res["batch1"]["speedup"] = res["batch1"]["output_tokens_per_s"] / plain["batch1"]["output_tokens_per_s"]
+            res["batch1"]["same_tokens_as_none"] = res["batch1"]["outputs"] == plain["batch1"]["outputs"]
+            for key in [k for k in res if k.startswith("batch") and k != "batch1"]:
+                res[key]["speedup"] = res[key]["output_tokens_per_s"] / plain[key]["output_tokens_per_s"]
+    for res in report["modes"].values():
+        res["batch1"].pop("outputs")
+    return report
+
+
+# --------------------------------------------------------------------------- verify-cost
+
+
+def _engine_for_shape(shape: str, args, max_batch: int):
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_cached
+    from inflight.model_store import default_cache_dir
+
+    folder = shape_folder(shape, default_cache_dir(), args.tokenizer_from)
+    build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
+                        tokens_per_block=args.tokens_per_block, dtype=args.dtype)
+    return build_cached(folder, build, default_cache_dir(), args.device, "dummy")
+
+
+def run_verify_cost(args) -> dict:
+    import torch
+
+    from executor_svc.engine import RuntimeConfig, load_engine
+    from executor_svc.runner import ModelRunner
+    from executor_svc.speculative.proposer import DraftRequest, SpeculativeConfig, SpeculativeMode
+    from protos.plan import CachedRequest, NewRequest, SamplingConfig, StepPlan
+    from scheduler_svc.speculation import expected_accepted
+
+    max_batch = max(args.batch_sizes) * (1 + max(args.ks))
+    target_dir = _engine_for_shape(args.shape, args, max_batch)
+    draft_dir = _engine_for_shape(args.draft_shape, args, max_batch)
+    spec = SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, max(args.ks), draft_engine_dir=draft_dir)
+    engine = load_engine(target_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction, speculative=spec))
+    runner = ModelRunner(engine)
+    tpb = engine.tokens_per_block
+    gen = torch.Generator().manual_seed(0)
+    report: dict = {"target": args.shape, "draft": args.draft_shape, "context_len": args.context_len, "batches": {}}
+    step_id = 0
+
+    def timed(plan_for, reps: int) -> float:
+        nonlocal step_id
+        for _ in range(3):  # warm-up (graph buckets, allocator)
+            step_id += 1
+            runner.execute(plan_for(step_id))
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(reps):
+            step_id += 1
+            result = runner.execute(plan_for(step_id))
+            assert not result.request_errors, result.request_errors
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) / reps
+
+    for batch in args.batch_sizes:
+        ids = [f"b{batch}-{i}" for i in range(batch)]
+        blocks_per = -(-(args.context_len + 1024) // tpb)
+        tables = [list(range(i * blocks_per, (i + 1) * blocks_per)) for i in range(batch)]
+        prompts = torch.randint(1000, 30000, (batch, args.context_len), generator=gen).tolist()
+        step_id += 1
+        runner.execute(StepPlan(step_id, new_requests=[
+            NewRequest(rid, prompts[i], args.context_len, 0, args.context_len, tables[i], SamplingConfig(temperature=0.0))
+            for i, rid in enumerate(ids)
+        ]))
+        row: dict = {}
+        for k in args.ks:
+            def plan_for(sid: int, k=k) -> StepPlan:
+                cached = []
+                for rid in ids:
+                    state = runner.requests[rid]
+                    drafts = torch.randint(1000, 30000, (k,), generator=gen).tolist()
+                    cached.append(CachedRequest(rid, state.num_computed_tokens, 1 + k, [], draft_token_ids=drafts))
+                return StepPlan(sid, cached_requests=cached)
+
+            seconds = timed(plan_for, args.reps)
+            draft_s = None
+            if k > 0:
+                requests = [DraftRequest(rid, runner.requests[rid].token_ids, tables[i], k) for i, rid in enumerate(ids)]
+                runner.proposer.propose(requests)  # warm-up
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(args.reps):
+                    runner.proposer.propose(requests)
+                torch.cuda.synchronize()
+                draft_s = (time.perf_counter() - started) / args.reps
+            row[f"k{k}"] = {"verify_step_ms": seconds * 1e3, "draft_propose_ms": None if draft_s is None else draft_s * 1e3}
+            log(f"batch {batch} k={k}: verify step {seconds * 1e3:.2f} ms" + (f", drafting {draft_s * 1e3:.2f} ms" if draft_s else ""))
+        plain = row["k0"]["verify_step_ms"]
+        for k in args.ks:
+            entry = row[f"k{k}"]
+            entry["verify_over_plain"] = entry["verify_step_ms"] / plain
+            cost = entry["verify_step_ms"] + (entry["draft_propose_ms"] or 0.0)
+            entry["speedup_at_acceptance"] = {
+                str(rate): (1 + expected_accepted(rate, k)) * plain / cost for rate in (0.5, 0.7, 0.9)
+            }
+        step_id += 1
+        runner.execute(StepPlan(step_id, finished_request_ids=ids))
+        report["batches"][str(batch)] = row
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="part", required=True)
+    gen = sub.add_parser("generate", help="speedup at batch 1 and throughput under load on a real model")
+    add_model_source_args(gen)
+    gen.add_argument("--engine-dir", default=None, help="use this engine folder instead of building one")
+    gen.add_argument("--modes", default="none,ngram", type=lambda s: s.split(","))
+    gen.add_argument("--prompts", default="grounded", choices=["grounded", "chat"])
+    gen.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts of the set (0 = all)")
+    gen.add_argument("--max-tokens", type=int, default=256, help="batch 1: most output tokens (EOS ends earlier)")
+    gen.add_argument("--batch-sizes", default="1,64,256", type=lambda s: [int(x) for x in s.split(",")])
+    gen.add_argument("--batch-max-tokens", type=int, default=128, help="batch N: output tokens per request (EOS ignored)")
+    gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
+    cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
+    cost.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    cost.add_argument("--draft-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    cost.add_argument("--tokenizer-from", default="smollm2-135m-instruct")
+    cost.add_argument("--ks", default="0,1,2,4", type=lambda s: [int(x) for x in s.split(",")])
+    cost.add_argument("--batch-sizes", default="1,8", type=lambda s: [int(x) for x in s.split(",")])
+    cost.add_argument("--context-len", type=int, default=512)
+    cost.add_argument("--reps", type=int, default=30)
+    for p in (gen, cost):
+        p.add_argument("--device", default="cuda")
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--num-draft-tokens", type=int, default=4)
+        p.add_argument("--ngram-min", type=int, default=2)
+        p.add_argument("--ngram-max", type=int, default=4)
+        p.add_argument("--max-num-tokens", type=int, default=8192)
+        p.add_argument("--max-seq-len", type=int, default=4096)
+        p.add_argument("--tokens-per-block", type=int, default=16)
+        p.add_argument("--kv-cache-fraction", type=float, default=0.85)
+        p.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    if args.part == "generate":
+        default_load_format(args)
+        payload = run_generate(args)
+    else:
+        payload = run_verify_cost(args)
+    write_report("bench/speculative.py", argv if argv is not None else sys.argv[1:], args.device, Path(args.output), payload)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""What the runner asks of a draft proposer, and how one is chosen.
+
+After a step, the runner hands the proposer every request the plan asked
+drafts for, with the tokens it now holds; the proposer answers with up to the
+asked number of draft tokens each (fewer, or none, when it has no good
+guess). The scheduler sends them back in the next plan, where the target
+verifies them (``verify.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from executor_svc.speculative.ngram import NgramProposer
+
+
+class SpeculativeMode(enum.Enum):
+    NONE = ""
+    NGRAM = "ngram"
+    DRAFT_MODEL = "draft_model"
+    DRAFT_HEADS = "draft_heads"
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """How an executor drafts (set at serve time; the engine itself does not change)."""
+
+    mode: SpeculativeMode = SpeculativeMode.NONE
+    num_draft_tokens: int = 4  # most drafts per request per step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_engine_dir: Path | None = None  # DRAFT_MODEL: an engine of the same tokenizer
+
+    def __post_init__(self) -> None:
+        if self.mode is not SpeculativeMode.NONE and not 1 <= self.num_draft_tokens <= 16:
+            raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One request to draft for."""
+
+    request_id: str
+    token_ids: list[int]  # every token it holds, the one sampled last included
+    block_table: list[int]  # its KV blocks (a draft model writes its own cache at the same slots)
+    num_drafts: int
+    hidden: torch.Tensor | None = None  # [hidden] the target's state that sampled the last token (draft heads)
+
+
+class Proposer(Protocol):
+    mode: SpeculativeMode
+    needs_hidden: bool  # wants DraftRequest.hidden
+    needs_lookahead_slots: bool  # proposing k drafts writes the KV cache up to k - 1 positions past the tokens
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]: ...
+
+    def drop(self, request_id: str) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class NgramLookup:
+    """Prompt lookup as a Proposer: host only, no per-request state."""
+
+    mode = SpeculativeMode.NGRAM
+    needs_hidden = False
+    needs_lookahead_slots = False
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.ngram = NgramProposer(config.ngram_min, config.ngram_max)
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return [self.ngram.propose(r.token_ids, r.num_drafts) for r in requests]
+
+    def drop(self, request_id: str) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def build_proposer(config: SpeculativeConfig, engine) -> Proposer | None:  # engine: executor_svc.engine.Engine
+    """The proposer ``config`` asks for, bound to the target ``engine``; None when speculation is off."""
+    if config.mode is SpeculativeMode.NONE:
+        return None
+    if config.mode is SpeculativeMode.NGRAM:
+        return NgramLookup(config)
+    if config.mode is SpeculativeMode.DRAFT_MODEL:
+        from executor_svc.speculative.draft_model import DraftModelProposer
+
+        if engine.draft is None:
+            raise ValueError("speculative mode draft_model: the engine was loaded without its draft model")
+        return DraftModelProposer(engine.draft, engine)
+    from executor_svc.speculative.heads_proposer import HeadsProposer
+
+    return HeadsProposer.load(engine)

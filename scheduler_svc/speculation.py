@@ -1,0 +1,160 @@
+"""How many draft tokens each request verifies: load-aware speculation.
+
+Verifying k drafts makes a request's step k tokens longer. While the GPU is
+memory-bound (small batches) those tokens are nearly free, and every accepted
+draft is a step saved; once the batch is compute-bound they cost what they
+weigh, and a rejected draft is pure loss. So each step the scheduler picks the
+draft length K that maximises expected tokens per second:
+
+    goodput(K) = sum_i (1 + E_i(min(K, drafts_i))) / (cost(tokens + sum_i k_i) + K * draft_cost(batch))
+
+where E_i(k) = a_i + a_i^2 + ... + a_i^k is the expected number of accepted
+drafts when request i accepts each draft with probability a_i (measured per
+request, a decayed count), cost(T) is the measured duration of a step of T
+tokens (what the executor reports, learned per power-of-two bucket of T), and
+draft_cost is the measured time of one drafting round for a batch of that
+size. Step sizes past the largest measured one are assumed to cost what it
+did, which is optimistic, so a larger K gets tried and then judged by its real
+cost.
+K = 0 turns speculation off for the step; the executor is then asked to keep
+proposing only on occasional probe steps, so the choice can come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Prior belief about a request's acceptance rate, worth this many observations.
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 2.0
+DECAY = 0.9  # per verification: recent acceptance counts most
+EMA = 0.2  # weight of a new step-time measurement
+PROBE_EVERY = 16  # steps between probes while speculation is off
+
+
+@dataclass(slots=True)
+class DraftStats:
+    """Speculative decoding since start: drafts verified and accepted, by chain position."""
+
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    by_position: list[int] = field(default_factory=list)  # drafts verified at chain position i
+    accepted_by_position: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's per-draft acceptance rate, as decayed counts (geometric model)."""
+
+    accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    rejected: float = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts <= 0:
+            return
+        self.accepted = self.accepted * DECAY + num_accepted
+        self.rejected = self.rejected * DECAY + (1 if num_accepted < num_drafts else 0)
+
+
+def expected_accepted(rate: float, k: int) -> float:
+    """Expected accepted drafts of a chain of k, each accepted with ``rate`` given the ones before."""
+    return sum(rate**j for j in range(1, k + 1))
+
+
+def _bucket(num_tokens: int) -> int:
+    return max(num_tokens, 1).bit_length()  # powers of two: 1, 2-3, 4-7, ...
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Measured seconds of a step by the tokens in it, and of one drafting round by batch size.
+
+    Each power-of-two bucket of step sizes keeps a moving average of (tokens,
+    seconds); a step size in between is interpolated linearly, one outside the
+    measured range takes the nearest end's time.
+    """
+
+    step: dict[int, tuple[float, float]] = field(default_factory=dict)
+    draft_round: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def observe(self, num_tokens: int, seconds: float, batch: int, draft_seconds: float, draft_rounds: int) -> None:
+        _ema(self.step, _bucket(num_tokens), num_tokens, max(seconds - draft_seconds, 0.0))
+        if draft_rounds > 0:
+            _ema(self.draft_round, _bucket(batch), batch, draft_seconds / draft_rounds)
+
+    def step_seconds(self, num_tokens: int) -> float | None:
+        return _interpolate(self.step, num_tokens)
+
+    def draft_seconds(self, batch: int, rounds: int) -> float:
+        return rounds * (_interpolate(self.draft_round, batch) or 0.0)
+
+
+def _ema(table: dict[int, tuple[float, float]], key: int, x: float, y: float) -> None:
+    old = table.get(key)
+    table[key] = (x, y) if old is None else ((1 - EMA) * old[0] + EMA * x, (1 - EMA) * old[1] + EMA * y)
+
+
+def _interpolate(table: dict[int, tuple[float, float]], x: float) -> float | None:
+    points = sorted(table.values())
+    if not points:
+        return None
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
+    return points[-1][1]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One request that could verify drafts this step."""
+
+    request_id: str
+    num_drafts: int  # drafts it has, already cut to what its limits allow
+    rate: float  # its acceptance rate
+
+
+class DraftLengthPolicy:
+    """Picks the step's draft length K (see the module docstring)."""
+
+    def __init__(self, max_draft_tokens: int, adaptive: bool = True) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.adaptive = adaptive
+        self.costs = StepCosts()
+        self.last_k = max_draft_tokens
+        self._steps = 0
+
+    def choose(self, candidates: list[Candidate], other_tokens: int, batch: int) -> int:
+        """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens."""
+        self._steps += 1
+        if not candidates:
+            return self.last_k
+        if not self.adaptive:
+            self.last_k = self.max_draft_tokens
+            return self.last_k
+        base = other_tokens + len(candidates)
+        best_k, best = 0, -1.0
+        for k in range(self.max_draft_tokens + 1):
+            drafts = [min(k, c.num_drafts) for c in candidates]
+            step = self.costs.step_seconds(base + sum(drafts))
+            if step is None:  # nothing measured yet: speculate fully once and learn
+                best_k = self.max_draft_tokens
+                break
+            seconds = step + self.costs.draft_seconds(batch, k)
+            tokens = sum(1 + expected_accepted(c.rate, d) for c, d in zip(candidates, drafts))
+            goodput = tokens / max(seconds, 1e-9)
+            if goodput > best * 1.01:  # a longer chain must pay for itself clearly
+                best_k, best = k, goodput
+        self.last_k = best_k
+        return best_k
+
+    def drafts_to_propose(self) -> int:
+        """Drafts to ask for the next step: room to grow by one, and occasional probes when off."""
+        if self.last_k > 0 or not self.adaptive:
+            return min(self.max_draft_tokens, self.last_k + 1) if self.adaptive else self.max_draft_tokens
+        return 1 if self._steps % PROBE_EVERY == 0 else 0

@@ -1,0 +1,270 @@
+"""Speculative decoding: proposers, lossless verification, scheduler bookkeeping, end to end.
+
+The oracle for greedy requests is the same engine without speculation: every
+mode must give token-identical outputs, whether its drafts are mostly right
+(the target itself as its own draft model, repetitive prompts for prompt
+lookup) or mostly wrong (a random-weight draft model). For sampled requests the
+verification rule is checked statistically against the distribution it claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+import torch
+from scipy import stats as scipy_stats
+
+from executor_svc.speculative.ngram import NgramProposer
+from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
+from executor_svc.sampler import RequestSamplingState
+from protos.plan import CachedRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
+from scheduler_svc.api_types import GenerationRequest
+from scheduler_svc.speculation import Candidate, DraftLengthPolicy, expected_accepted
+from tests.conftest import PROMPTS, TEST_DEVICE, run_async
+from tests.test_scheduler import make_request, make_scheduler
+
+# Prompts whose continuations copy from the prompt: where prompt lookup pays.
+COPY_PROMPTS = [
+    "Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(",
+    "1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3,",
+]
+
+
+# -- proposers -------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    ngram = NgramProposer(min_n=1, max_n=3)
+    #        0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6]
+    assert ngram.propose(tokens, 3) == [8, 2, 5]  # "5 6" last seen at 4: 8 followed (not 7, the older match)
+    assert ngram.propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # "2 3" beats "3"
+    assert ngram.propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert ngram.propose(tokens, 0) == []
+    assert NgramProposer(min_n=2, max_n=2).propose([4, 4, 4, 4], 5) == [4]  # bounded by what followed the match
+
+
+# -- verification ----------------------------------------------------------------
+
+
+def _states(config: SamplingConfig, count: int, seed0: int = 0) -> list[RequestSamplingState]:
+    return [
+        RequestSamplingState(dataclasses.replace(config, seed=seed0 + i), [1], "cpu") for i in range(count)
+    ]
+
+
+def test_greedy_verification_accepts_the_argmax_prefix_and_adds_one():
+    logits = torch.full((4, 10), -5.0)
+    for row, best in enumerate([3, 4, 9, 2]):
+        logits[row, best] = 5.0
+    states = _states(SamplingConfig(temperature=0.0), 1) * 4
+    tokens, accepted = verify_drafts(logits, torch.tensor([3, 4, 7, NO_DRAFT]), states)
+    assert accepted.tolist() == [True, True, False, False]
+    assert accepted_prefix(tokens.tolist(), accepted.tolist()) == [3, 4, 9]  # two drafts, then the target's 9
+    tokens, accepted = verify_drafts(logits, torch.tensor([3, 4, 9, NO_DRAFT]), states)
+    assert accepted_prefix(tokens.tolist(), accepted.tolist()) == [3, 4, 9, 2]  # all three and the bonus
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampled_verification_emits_the_target_distribution(top_k):
+    """Chains of two drafts judged many times: the first emitted token follows p0 (after
+    temperature and top-k); when the first draft was accepted, the second follows p1."""
+    torch.manual_seed(0)
+    vocab, trials = 6, 6000
+    row_logits = torch.randn(3, vocab) * 1.5
+    drafts = [int(row_logits[0].argsort()[-2]), 0]  # a plausible but not top draft, then an unlikely one
+    config = SamplingConfig(temperature=0.9, top_k=top_k)
+    states = _states(config, trials)
+    logits = row_logits.repeat(trials, 1)
+    draft_ids = torch.tensor(drafts + [NO_DRAFT]).repeat(trials)
+    row_states = [s for s in states for _ in range(3)]
+    tokens, accepted = verify_drafts(logits, draft_ids, row_states)
+    chains = [accepted_prefix(tokens[3 * t : 3 * t + 3].tolist(), accepted[3 * t : 3 * t + 3].tolist()) for t in range(trials)]
+
+    def target(row: int) -> torch.Tensor:
+        scaled = row_logits[row] / config.temperature
+        if top_k:
+            scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[-1], float("-inf"))
+        return scaled.softmax(-1)
+
+    def check(observed: list[int], probs: torch.Tensor) -> None:
+        counts = torch.bincount(torch.tensor(observed), minlength=vocab).double()
+        keep = probs > 0
+        assert counts[~keep].sum() == 0, "a token outside the filtered distribution was emitted"
+        expected = probs[keep].double() * len(observed)
+        chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+        assert chi2 < scipy_stats.chi2.ppf(0.999, int(keep.sum()) - 1), (counts, expected)
+
+    check([c[0] for c in chains], target(0))
+    second = [c[1] for c in chains if c[0] == drafts[0]]
+    assert len(second) > 500
+    check(second, target(1))
+
+
+# -- scheduler ---------------------------------------------------------------------
+
+
+def test_scheduler_verifies_drafts_and_rolls_back_rejected_ones():
+    s = make_scheduler(max_draft_tokens=3, draft_lookahead_slots=True)
+    s.add_request(make_request("a", 6, max_tokens=20))
+    plan = s.schedule()
+    assert plan.new_requests[0].num_drafts_to_propose == 3  # the policy starts optimistic
+    # The prompt's step allocates the lookahead a draft model writes: 6 prompt + 3 slots.
+    assert len(s.kv.block_table("a")) * s.config.tokens_per_block >= 9
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [101, 102, 103])]))
+    plan = s.schedule()
+    cached = plan.cached_requests[0]
+    assert cached.draft_token_ids == [101, 102, 103] and cached.num_scheduled_tokens == 4
+    assert cached.num_computed_tokens == 6
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [101, 55], [7, 8], num_accepted_drafts=1)], step_us=1000))
+    req = s.requests["a"]
+    assert req.output_token_ids == [100, 101, 55]
+    assert req.num_computed_tokens == 8  # 6 + the last token + 1 accepted draft; 2 rejected rolled back
+    assert (req.num_draft_tokens, req.num_accepted_draft_tokens) == (3, 1)
+    assert s.drafts.by_position == [1, 1, 1] and s.drafts.accepted_by_position == [1, 0, 0]
+    plan = s.schedule()
+    assert plan.cached_requests[0].num_computed_tokens == 8 and plan.cached_requests[0].draft_token_ids == [7, 8]
+
+
+def test_scheduler_cuts_drafts_at_max_tokens():
+    s = make_scheduler(max_draft_tokens=4)
+    s.add_request(make_request("a", 4, max_tokens=3))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3, 4])]))
+    plan = s.schedule()
+    # One output exists and two may follow: one draft plus the target's own token.
+    assert plan.cached_requests[0].draft_token_ids == [1]
+
+
+def test_draft_length_follows_the_measured_step_cost():
+    policy = DraftLengthPolicy(max_draft_tokens=4)
+    candidates = [Candidate(str(i), 4, 0.7) for i in range(8)]
+    assert policy.choose(candidates, 0, 8) == 4  # nothing measured: try the most
+    # Memory-bound: a step costs the same whatever its size.
+    for tokens in (8, 16, 32, 64):
+        policy.costs.observe(tokens, 0.010, 8, 0.0, 0)
+    assert policy.choose(candidates, 0, 8) == 4
+    # Compute-bound: time grows with tokens; a 0.7 acceptance does not pay for longer steps.
+    policy = DraftLengthPolicy(max_draft_tokens=4)
+    for tokens in (8, 16, 32, 64):
+        policy.costs.observe(tokens, 0.010 * tokens / 8, 8, 0.0, 0)
+    assert policy.choose(candidates, 0, 8) == 0
+    assert expected_accepted(0.5, 3) == pytest.approx(0.875)
+
+
+# -- end to end ------------------------------------------------------------------
+
+
+def _generate(engine, tokenizer, prompts, limits=None, sampling=None):
+    """Outputs and usage for ``prompts`` through a real AsyncEngine over ``engine``; checks for leaks."""
+    from inflight.inprocess import InProcessExecutor
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+
+    async def run():
+        async_engine = AsyncEngine(InProcessExecutor(engine), tokenizer, EngineLimits(**(limits or {})))
+        await async_engine.start()
+        try:
+            async def one(i, prompt):
+                ids, usage = [], None
+                request = GenerationRequest(text=prompt, max_tokens=20, ignore_eos=True, **(sampling or {"temperature": 0.0}))
+                async for chunk in async_engine.generate(request):
+                    ids.extend(chunk.token_ids)
+                    usage = chunk.usage or usage
+                return ids, usage
+
+            results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+            sched = async_engine.scheduler
+            assert sched.kv.num_free_blocks == sched.config.num_kv_blocks, "KV blocks leaked"
+            return [r[0] for r in results], [r[1] for r in results], async_engine.stats()
+        finally:
+            await async_engine.stop()
+
+    return run_async(run())
+
+
+def _with_speculation(engine, mode, num_draft_tokens=4, draft=None):
+    return dataclasses.replace(engine, speculative=SpeculativeConfig(mode, num_draft_tokens), draft=draft)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine, tokenizer):
+    return _generate(engine, tokenizer, COPY_PROMPTS + PROMPTS[:3])[0]
+
+
+def test_ngram_speculation_gives_the_same_greedy_tokens(engine, tokenizer, plain_outputs):
+    spec = _with_speculation(engine, SpeculativeMode.NGRAM)
+    outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
+    assert outputs == plain_outputs
+    assert sum(u.num_accepted_draft_tokens for u in usages) > 10  # the copy prompts did accept drafts
+    assert stats.drafts.num_draft_tokens == sum(u.num_draft_tokens for u in usages)
+    assert stats.drafts.num_accepted == sum(u.num_accepted_draft_tokens for u in usages)
+
+
+def _mirror(engine, draft):
+    """``draft`` with a KV cache of its own, block for block the shape of ``engine``'s."""
+    return dataclasses.replace(
+        draft, kv_cache=draft.layout.allocate(engine.num_kv_blocks + 1, engine.device),
+        num_kv_blocks=engine.num_kv_blocks, decode_graphs=None,
+    )
+
+
+def test_draft_model_speculation_gives_the_same_greedy_tokens(engine, tokenizer, plain_outputs):
+    # The target as its own draft: every draft right (until max_tokens cuts the chain).
+    spec = _with_speculation(engine, SpeculativeMode.DRAFT_MODEL, 3, draft=_mirror(engine, engine))
+    outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
+    assert outputs == plain_outputs
+    drafted = sum(u.num_draft_tokens for u in usages)
+    assert drafted > 0 and sum(u.num_accepted_draft_tokens for u in usages) == drafted
+
+
+@pytest.fixture(scope="module")
+def random_draft_engine(engine, tmp_path_factory):
+    """A two-layer random-weight model with the default model's vocabulary: its drafts are mostly wrong."""
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_engine
+    from executor_svc.engine import RuntimeConfig, load_engine
+
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": engine.model_config.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    build = BuildConfig(max_batch_size=64, max_num_tokens=4096, max_seq_len=2048, tokens_per_block=16, dtype="float32")
+    build_engine(folder, folder / "engine", build, device=TEST_DEVICE, load_format="dummy", progress=False)
+    return load_engine(folder / "engine", RuntimeConfig(device=TEST_DEVICE, num_kv_blocks=engine.num_kv_blocks))
+
+
+def test_wrong_drafts_change_nothing_but_acceptance(engine, tokenizer, plain_outputs, random_draft_engine):
+    spec = _with_speculation(engine, SpeculativeMode.DRAFT_MODEL, 3, draft=random_draft_engine)
+    outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
+    assert outputs == plain_outputs
+    assert stats.drafts.num_draft_tokens > 0
+    assert stats.drafts.num_accepted < stats.drafts.num_draft_tokens / 2
+
+
+def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):
+    spec = _with_speculation(engine, SpeculativeMode.NGRAM)
+    outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, sampling={"temperature": 0.7, "top_p": 0.9})
+    assert all(len(ids) == 20 for ids in outputs)
+    assert sum(u.num_draft_tokens for u in usages) > 0
+
+
+def test_executor_rejects_malformed_drafts(engine):
+    from executor_svc.runner import ModelRunner
+    from protos.plan import NewRequest
+
+    runner = ModelRunner(_with_speculation(engine, SpeculativeMode.NGRAM))
+    table = list(range(4))
+    first = StepPlan(1, new_requests=[NewRequest("a", [1, 2, 3, 4], 4, 0, 4, table, SamplingConfig(temperature=0.0), 2)])
+    runner.execute(first)
+    bad = StepPlan(2, cached_requests=[CachedRequest("a", 4, 2, [], draft_token_ids=[5, 6])])  # 2 drafts need 3 tokens
+    result = runner.execute(bad)
+    assert "drafts" in result.request_errors["a"] and "a" not in runner.requests
