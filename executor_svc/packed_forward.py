@@ -93,7 +93,7 @@ def run_packed(
     device = kv_cache.device
     if graphs is not None and not packed.multi_rows and graphs.fits(packed.num_tokens, max(packed.context_lens)):
         logits, hidden = graphs.run(tokens, packed.positions, packed.slots, packed.context_lens, packed.tables, patch)
-        if len(sample_tokens) < packed.num_tokens:
+        if sample_tokens != list(range(packed.num_tokens)):  # a subset, or another order
             rows = to_device(sample_tokens, torch.int64, device)
             logits = logits.index_select(0, rows)
             hidden = hidden.index_select(0, rows) if want_hidden else None

@@ -205,8 +205,10 @@ class AsyncEngine:
         while True:
             scheduler = self.scheduler
             assert scheduler is not None
-            # Drafts are judged and proposed from each step's result: speculation plans one step at a time.
-            depth = 2 if self.limits.overlap_scheduling and not scheduler.config.max_draft_tokens else 1
+            # Drafts are judged and proposed from each step's result: speculation plans one step at a time
+            # (unless the load made it turn speculation off for now).
+            overlap = not scheduler.config.max_draft_tokens or scheduler.draft_policy.allows_overlap()
+            depth = 2 if self.limits.overlap_scheduling and overlap else 1
             if len(in_flight) < depth and scheduler.has_work:
                 started = time.perf_counter()
                 plan = scheduler.schedule()

@@ -35,7 +35,8 @@ drafts) and ``num_computed_tokens`` moves past them; when the result says a
 of the k were accepted it moves back by k - a, and the rejected drafts' slots
 are simply written again by the next step. How long k is follows the load
 (``speculation.py``). Speculation needs each step's result before the next
-plan, so it runs without overlapped scheduling.
+plan, so it runs without overlapped scheduling (which comes back while the
+load keeps speculation off).
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ draft_cost is the measured time of one drafting round for a batch of that
 size. Step sizes past the largest measured one are assumed to cost what it
 did, which is optimistic, so a larger K gets tried and then judged by its real
 cost.
-K = 0 turns speculation off for the step; the executor is then asked to keep
-proposing only on occasional probe steps, so the choice can come back.
+K = 0 turns speculation off; while it stays off, steps overlap again (the
+scheduler plans the next step before the last result is back), and only a
+short probe every few dozen steps goes back to one step at a time and asks
+for drafts, so the choice can come back when the load drops.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
 EMA = 0.2  # weight of a new step-time measurement
-PROBE_EVERY = 16  # steps between probes while speculation is off
+PROBE_EVERY = 32  # steps between probes while speculation is off
+PROBE_STEPS = 3  # a probe: ask for drafts, get them, judge whether to verify them
 
 
 @dataclass(slots=True)
@@ -153,8 +156,17 @@ class DraftLengthPolicy:
         self.last_k = best_k
         return best_k
 
+    def _probing(self) -> bool:
+        return self._steps % PROBE_EVERY < PROBE_STEPS
+
     def drafts_to_propose(self) -> int:
         """Drafts to ask for the next step: room to grow by one, and occasional probes when off."""
-        if self.last_k > 0 or not self.adaptive:
-            return min(self.max_draft_tokens, self.last_k + 1) if self.adaptive else self.max_draft_tokens
-        return 1 if self._steps % PROBE_EVERY == 0 else 0
+        if not self.adaptive:
+            return self.max_draft_tokens
+        if self.last_k > 0:
+            return min(self.max_draft_tokens, self.last_k + 1)
+        return 1 if self._probing() else 0
+
+    def allows_overlap(self) -> bool:
+        """Whether the next step may be planned before the last result: speculation is off and not probing."""
+        return self.adaptive and self.last_k == 0 and not self._probing()
