@@ -80,6 +80,7 @@ def _mode_config(name: str, args):
 
 async def _run(async_engine, requests, desc: str) -> dict:
     """Submit ``requests`` (all at once); output tokens/s and speculation counts."""
+    choices_before = dict(async_engine.scheduler.draft_policy.choices)
     now = async_engine.stats().drafts
     stats_before = dataclasses.replace(now, by_position=list(now.by_position), accepted_by_position=list(now.accepted_by_position))
     steps_before = async_engine.num_steps
@@ -103,6 +104,9 @@ async def _run(async_engine, requests, desc: str) -> dict:
         "outputs": outputs, "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
         "steps": async_engine.num_steps - steps_before,
         "draft_tokens": proposed, "accepted_draft_tokens": accepted,
+        "draft_length_choices": {
+            k: n - choices_before.get(k, 0) for k, n in async_engine.scheduler.draft_policy.choices.items() if n > choices_before.get(k, 0)
+        },
         "drafts_by_position": [b - b0 for b, b0 in zip(drafts.by_position, stats_before.by_position)],
         "accepted_by_position": [a - a0 for a, a0 in zip(drafts.accepted_by_position, stats_before.accepted_by_position)],
     }
@@ -161,6 +165,12 @@ def run_generate(args) -> dict:
                 "acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": _rates(drafted, accepted_at),
                 "outputs": [r["outputs"][0] for r in runs],
             }
+            choices: dict[int, int] = {}
+            for r in runs:
+                for k, n in r["draft_length_choices"].items():
+                    choices[k] = choices.get(k, 0) + n
+            out["batch1"]["draft_length_choices"] = choices
+            out["batch1"]["step_cost_points"] = async_engine.scheduler.draft_policy.costs.points()
             log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
             for batch in [b for b in args.batch_sizes if b > 1]:
                 requests = [
@@ -321,7 +331,13 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--tokens-per-block", type=int, default=16)
         p.add_argument("--kv-cache-fraction", type=float, default=0.85)
         p.add_argument("--output", required=True)
+        p.add_argument("--trace", action="store_true", help="log the scheduler's draft-length choices")
     args = parser.parse_args(argv)
+    if args.trace:
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        logging.getLogger("inflight.scheduler").setLevel(logging.DEBUG)
     if args.part == "generate":
         default_load_format(args)
         payload = run_generate(args)

@@ -102,7 +102,7 @@ class Scheduler:
         self.drafts = DraftStats(by_position=[0] * config.max_draft_tokens,
                                  accepted_by_position=[0] * config.max_draft_tokens)
         self.draft_policy = DraftLengthPolicy(config.max_draft_tokens, config.adaptive_draft_length)
-        self._step_shape: dict[int, tuple[int, int, int]] = {}  # step id -> (tokens, requests, drafts asked)
+        self._generation_steps: dict[int, int] = {}  # step id -> tokens, for generation steps in flight
 
     @property
     def guaranteed(self) -> bool:
@@ -208,7 +208,7 @@ class Scheduler:
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        return self.draft_policy.choose(candidates, other, len(order))
+        return self.draft_policy.choose(candidates, other)
 
     def _propose_for(self, request: Request, computed_after: int, held: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).
@@ -325,9 +325,10 @@ class Scheduler:
             if request.num_computed_tokens - len(item.drafts) == request.num_tokens + request.num_pending_outputs:
                 request.num_pending_outputs += 1  # this step samples its next token (and judges its drafts)
                 self._sampling.setdefault(plan.step_id, []).append(request.request_id)
-        self._step_shape[plan.step_id] = (
-            plan.num_scheduled_tokens, len(step.chosen), max((i.propose for i in step.chosen.values()), default=0),
-        )
+        if self.config.max_draft_tokens and not plan.new_requests and all(
+            item.num_tokens == 1 + len(item.drafts) for item in step.chosen.values()
+        ):  # a generation step: what the draft-length policy learns step costs from
+            self._generation_steps[plan.step_id] = plan.num_scheduled_tokens
         copies = self.kv.take_copies()
         plan.swap_out = [BlockCopy(device_block=d, host_slot=h) for d, h in copies.swap_out]
         plan.swap_in = [BlockCopy(device_block=d, host_slot=h) for h, d in copies.swap_in]
@@ -362,10 +363,9 @@ class Scheduler:
     def update(self, result: StepResult) -> list[RequestUpdate]:
         """Apply a StepResult: append tokens, cache computed blocks, decide token-level stops, free blocks."""
         updates: list[RequestUpdate] = []
-        shape = self._step_shape.pop(result.step_id, None)
-        if shape is not None and result.step_us and self.config.max_draft_tokens:
-            tokens, batch, rounds = shape
-            self.draft_policy.costs.observe(tokens, result.step_us / 1e6, batch, result.draft_us / 1e6, rounds)
+        tokens = self._generation_steps.pop(result.step_id, None)
+        if tokens is not None and result.step_us:
+            self.draft_policy.costs.observe(tokens, result.step_us / 1e6)
         for request_id in self._sampling.pop(result.step_id, []):
             request = self.requests.get(request_id)
             if request is not None and request.num_pending_outputs > 0:

@@ -6,33 +6,43 @@ draft is a step saved; once the batch is compute-bound they cost what they
 weigh, and a rejected draft is pure loss. So each step the scheduler picks the
 draft length K that maximises expected tokens per second:
 
-    goodput(K) = sum_i (1 + E_i(min(K, drafts_i))) / (cost(tokens + sum_i k_i) + K * draft_cost(batch))
+    goodput(K) = sum_i (1 + E_i(min(K, drafts_i))) / cost(tokens + sum_i min(K, drafts_i))
 
 where E_i(k) = a_i + a_i^2 + ... + a_i^k is the expected number of accepted
 drafts when request i accepts each draft with probability a_i (measured per
-request, a decayed count), cost(T) is the measured duration of a step of T
-tokens (what the executor reports, learned per power-of-two bucket of T), and
-draft_cost is the measured time of one drafting round for a batch of that
-size. Step sizes past the largest measured one are assumed to cost what it
-did, which is optimistic, so a larger K gets tried and then judged by its real
-cost.
+request, a decayed count), and cost(T) is the measured duration of a
+generation step of T tokens, drafting for the next step included (what the
+executor reports). Only generation steps are measured: a step with context
+chunks costs what its prompts weigh, not what its drafts do.
+
+Costs are learned per power-of-two bucket of T, each bucket keeping its last
+few measurements and using the smallest (a step is only ever slowed down by
+noise: a compilation, a busy host), and interpolated between buckets. Step
+sizes past the largest measured one are assumed to cost what it did, which is
+optimistic, so a larger K gets tried and then judged by its real cost.
+
 K = 0 turns speculation off; while it stays off, steps overlap again (the
-scheduler plans the next step before the last result is back), and only a
-short probe every few dozen steps goes back to one step at a time and asks
-for drafts, so the choice can come back when the load drops.
+scheduler plans the next step before the last result is back), and a short
+probe every few dozen steps goes back to one step at a time, asks for drafts
+and verifies at least one per request, so the choice is re-measured and can
+come back when the load drops.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+log = logging.getLogger("inflight.scheduler")
 
 # Prior belief about a request's acceptance rate, worth this many observations.
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
-EMA = 0.2  # weight of a new step-time measurement
+RECENT = 4  # measurements each step-size bucket keeps
 PROBE_EVERY = 32  # steps between probes while speculation is off
-PROBE_STEPS = 3  # a probe: ask for drafts, get them, judge whether to verify them
+PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
 
 
 @dataclass(slots=True)
@@ -74,43 +84,27 @@ def _bucket(num_tokens: int) -> int:
 
 @dataclass(slots=True)
 class StepCosts:
-    """Measured seconds of a step by the tokens in it, and of one drafting round by batch size.
+    """Measured seconds of a generation step by the tokens in it (see the module docstring)."""
 
-    Each power-of-two bucket of step sizes keeps a moving average of (tokens,
-    seconds); a step size in between is interpolated linearly, one outside the
-    measured range takes the nearest end's time.
-    """
+    recent: dict[int, deque] = field(default_factory=dict)  # bucket -> last (tokens, seconds)
 
-    step: dict[int, tuple[float, float]] = field(default_factory=dict)
-    draft_round: dict[int, tuple[float, float]] = field(default_factory=dict)
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds))
 
-    def observe(self, num_tokens: int, seconds: float, batch: int, draft_seconds: float, draft_rounds: int) -> None:
-        _ema(self.step, _bucket(num_tokens), num_tokens, max(seconds - draft_seconds, 0.0))
-        if draft_rounds > 0:
-            _ema(self.draft_round, _bucket(batch), batch, draft_seconds / draft_rounds)
+    def points(self) -> list[tuple[int, float]]:
+        """(tokens, seconds) per bucket: its fastest recent step."""
+        return sorted(min(window, key=lambda p: p[1]) for window in self.recent.values())
 
     def step_seconds(self, num_tokens: int) -> float | None:
-        return _interpolate(self.step, num_tokens)
-
-    def draft_seconds(self, batch: int, rounds: int) -> float:
-        return rounds * (_interpolate(self.draft_round, batch) or 0.0)
-
-
-def _ema(table: dict[int, tuple[float, float]], key: int, x: float, y: float) -> None:
-    old = table.get(key)
-    table[key] = (x, y) if old is None else ((1 - EMA) * old[0] + EMA * x, (1 - EMA) * old[1] + EMA * y)
-
-
-def _interpolate(table: dict[int, tuple[float, float]], x: float) -> float | None:
-    points = sorted(table.values())
-    if not points:
-        return None
-    if x <= points[0][0]:
-        return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9)
-    return points[-1][1]
+        points = self.points()
+        if not points:
+            return None
+        if num_tokens <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if num_tokens <= x1:
+                return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1)
+        return points[-1][1]
 
 
 @dataclass(slots=True)
@@ -131,8 +125,9 @@ class DraftLengthPolicy:
         self.costs = StepCosts()
         self.last_k = max_draft_tokens
         self._steps = 0
+        self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
 
-    def choose(self, candidates: list[Candidate], other_tokens: int, batch: int) -> int:
+    def choose(self, candidates: list[Candidate], other_tokens: int) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens."""
         self._steps += 1
         if not candidates:
@@ -142,18 +137,24 @@ class DraftLengthPolicy:
             return self.last_k
         base = other_tokens + len(candidates)
         best_k, best = 0, -1.0
+        estimates = []
         for k in range(self.max_draft_tokens + 1):
             drafts = [min(k, c.num_drafts) for c in candidates]
-            step = self.costs.step_seconds(base + sum(drafts))
-            if step is None:  # nothing measured yet: speculate fully once and learn
+            seconds = self.costs.step_seconds(base + sum(drafts))
+            if seconds is None:  # nothing measured yet: speculate fully once and learn
                 best_k = self.max_draft_tokens
                 break
-            seconds = step + self.costs.draft_seconds(batch, k)
             tokens = sum(1 + expected_accepted(c.rate, d) for c, d in zip(candidates, drafts))
             goodput = tokens / max(seconds, 1e-9)
+            estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly
                 best_k, best = k, goodput
+        if best_k == 0 and self._probing():
+            best_k = 1  # off, but probing: verify one draft so the cost of speculating is measured again
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("draft length %d for %d requests with drafts (%s)", best_k, len(candidates), ", ".join(estimates))
         self.last_k = best_k
+        self.choices[best_k] += 1
         return best_k
 
     def _probing(self) -> bool:

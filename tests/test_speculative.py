@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from executor_svc.speculative.ngram import NgramProposer
+from executor_svc.speculative.ngram import NgramIndex
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.sampler import RequestSamplingState
@@ -39,14 +39,26 @@ COPY_PROMPTS = [
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match():
-    ngram = NgramProposer(min_n=1, max_n=3)
-    #        0  1  2  3  4  5  6  7  8  9
+    def propose(tokens, k, min_n=1, max_n=3):
+        return NgramIndex(min_n, max_n).propose(tokens, k)
+
+    #         0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6]
-    assert ngram.propose(tokens, 3) == [8, 2, 5]  # "5 6" last seen at 4: 8 followed (not 7, the older match)
-    assert ngram.propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # "2 3" beats "3"
-    assert ngram.propose([1, 2, 3, 4], 4) == []  # nothing repeats
-    assert ngram.propose(tokens, 0) == []
-    assert NgramProposer(min_n=2, max_n=2).propose([4, 4, 4, 4], 5) == [4]  # bounded by what followed the match
+    assert propose(tokens, 3) == [8, 2, 5]  # "5 6" last seen at 4: 8 followed (not 7, the older match)
+    assert propose([1, 2, 3, 9, 2, 3], 2) == [9, 2]  # "2 3" beats "3"
+    assert propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert propose(tokens, 0) == []
+    assert propose([4, 4, 4, 4], 5, 2, 2) == [4]  # bounded by what followed the match
+
+
+def test_ngram_index_grows_with_the_request_and_agrees_with_a_fresh_one():
+    import random
+
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(40)]
+    grown = NgramIndex(2, 4)
+    for length in range(3, len(tokens) + 1, rng.choice([1, 2, 3])):
+        assert grown.propose(tokens[:length], 4) == NgramIndex(2, 4).propose(tokens[:length], 4)
 
 
 # -- verification ----------------------------------------------------------------
@@ -144,16 +156,20 @@ def test_scheduler_cuts_drafts_at_max_tokens():
 def test_draft_length_follows_the_measured_step_cost():
     policy = DraftLengthPolicy(max_draft_tokens=4)
     candidates = [Candidate(str(i), 4, 0.7) for i in range(8)]
-    assert policy.choose(candidates, 0, 8) == 4  # nothing measured: try the most
+    assert policy.choose(candidates, 0) == 4  # nothing measured: try the most
     # Memory-bound: a step costs the same whatever its size.
     for tokens in (8, 16, 32, 64):
-        policy.costs.observe(tokens, 0.010, 8, 0.0, 0)
-    assert policy.choose(candidates, 0, 8) == 4
+        policy.costs.observe(tokens, 0.010)
+    assert policy.choose(candidates, 0) == 4
     # Compute-bound: time grows with tokens; a 0.7 acceptance does not pay for longer steps.
     policy = DraftLengthPolicy(max_draft_tokens=4)
     for tokens in (8, 16, 32, 64):
-        policy.costs.observe(tokens, 0.010 * tokens / 8, 8, 0.0, 0)
-    assert policy.choose(candidates, 0, 8) == 0
+        policy.costs.observe(tokens, 0.010 * tokens / 8)
+    policy._steps = 10  # not a probe step
+    assert policy.choose(candidates, 0) == 0
+    # One slow measurement (a compilation, a busy host) does not stick: the fastest recent one counts.
+    policy.costs.observe(16, 0.5)
+    assert policy.costs.step_seconds(16) == pytest.approx(0.020)
     assert expected_accepted(0.5, 3) == pytest.approx(0.875)
 
 

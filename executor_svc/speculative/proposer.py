@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from executor_svc.speculative.ngram import NgramProposer
+from executor_svc.speculative.ngram import NgramIndex
 
 
 class SpeculativeMode(enum.Enum):
@@ -65,23 +65,31 @@ class Proposer(Protocol):
 
 
 class NgramLookup:
-    """Prompt lookup as a Proposer: host only, no per-request state."""
+    """Prompt lookup as a Proposer: host only, one n-gram index per request."""
 
     mode = SpeculativeMode.NGRAM
     needs_hidden = False
     needs_lookahead_slots = False
 
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.ngram = NgramProposer(config.ngram_min, config.ngram_max)
+        NgramIndex(config.ngram_min, config.ngram_max)  # checks the sizes now, not at the first request
+        self.min_n, self.max_n = config.ngram_min, config.ngram_max
+        self.indexes: dict[str, NgramIndex] = {}
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        return [self.ngram.propose(r.token_ids, r.num_drafts) for r in requests]
+        drafts = []
+        for r in requests:
+            index = self.indexes.get(r.request_id)
+            if index is None:
+                index = self.indexes[r.request_id] = NgramIndex(self.min_n, self.max_n)
+            drafts.append(index.propose(r.token_ids, r.num_drafts))
+        return drafts
 
     def drop(self, request_id: str) -> None:
-        pass
+        self.indexes.pop(request_id, None)
 
     def reset(self) -> None:
-        pass
+        self.indexes.clear()
 
 
 def build_proposer(config: SpeculativeConfig, engine) -> Proposer | None:  # engine: executor_svc.engine.Engine
