@@ -74,7 +74,8 @@ CHAT = [
 def _mode_config(name: str, args):
     from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 
-    mode = SpeculativeMode("" if name == "none" else name)
+    # "none_serial": no speculation and no overlapped scheduling (what speculation gives up).
+    mode = SpeculativeMode("" if name in ("none", "none_serial") else name)
     return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max)
 
 
@@ -138,8 +139,10 @@ def run_generate(args) -> dict:
 
     async def measure(mode: str) -> dict:
         engine = dataclasses.replace(base, speculative=_mode_config(mode, args))
-        limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=not args.fixed_draft_length)
-        async_engine = AsyncEngine(InProcessExecutor(engine), tokenizer, limits)
+        limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=not args.fixed_draft_length,
+                              overlap_scheduling=mode != "none_serial")
+        executor = InProcessExecutor(engine)
+        async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
         out: dict = {}
         try:
@@ -147,6 +150,7 @@ def run_generate(args) -> dict:
             await _run(async_engine, warm, f"{mode} warm-up")
             # Batch 1: one request at a time, to EOS or max_tokens.
             runs = []
+            host_before = {**async_engine.host_seconds, **executor.runner.host_seconds}
             for i, text in enumerate(texts):
                 request = GenerationRequest(token_ids=text, max_tokens=args.max_tokens, temperature=0.0)
                 runs.append(await _run(async_engine, [request], f"{mode} batch 1 [{i + 1}/{len(texts)}]"))
@@ -158,7 +162,12 @@ def run_generate(args) -> dict:
             accepted_at = [sum(col) for col in zip(*(r["accepted_by_position"] for r in runs))]
             proposed = sum(r["draft_tokens"] for r in runs)
             accepted = sum(r["accepted_draft_tokens"] for r in runs)
+            host_after = {**async_engine.host_seconds, **executor.runner.host_seconds}
+            total_steps = sum(r["steps"] for r in runs)
             out["batch1"] = {
+                "wall_ms_per_step": wall * 1e3 / max(total_steps, 1),
+                # Where the host's time goes per step: the scheduler's loop and the executor's runner.
+                "host_ms_per_step": {k: (v - host_before[k]) * 1e3 / max(total_steps, 1) for k, v in host_after.items()},
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
                 "mean_accepted_length": (tokens - len(runs)) / max(steps, 1),
                 "draft_tokens": proposed, "accepted_draft_tokens": accepted,

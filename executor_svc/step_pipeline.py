@@ -7,6 +7,9 @@ still runs N, N+1 is launched first (its inputs prepared and its kernels queued
 behind N's), and only then does the pipeline wait for N's sampled ids. The GPU
 then goes from N to N+1 without waiting for the host. When no plan arrives
 before N completes, N's result goes back at once: overlap never delays a result.
+The pipeline's thread never polls: a waiter thread blocks on each launched
+step's CUDA event (releasing the GIL) and posts its completion to the same
+inbox that plans arrive in, so whichever comes first wakes the pipeline.
 
 The model runs on the thread that calls ``run_forever``: for the executor
 process that is its main thread, because torch's CPU kernels measurably lose
@@ -29,13 +32,36 @@ log = logging.getLogger("inflight.executor")
 
 Deliver = Callable[[Union[StepResult, BaseException]], None]
 
-# How long to wait for the next plan at a time while a launched step is running.
-_POLL_S = 0.0002
+class _CompletionWaiter:
+    """Blocks on launched steps' device events on its own thread; posts ``(DONE, step)`` to the inbox."""
+
+    def __init__(self, inbox: queue.SimpleQueue, done_marker: object) -> None:
+        self._inbox = inbox
+        self._done = done_marker
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="inflight-step-waiter", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: LaunchedStep) -> None:
+        self._todo.put(step)
+
+    def stop(self) -> None:
+        self._todo.put(None)
+
+    def _run(self) -> None:
+        while (step := self._todo.get()) is not None:
+            try:
+                if step.done is not None:
+                    step.done.synchronize()  # releases the GIL while the device works
+            except Exception:  # noqa: BLE001 - finish() reports the step's failure
+                pass
+            self._inbox.put((self._done, step))
 
 
 class StepPipeline:
     _RESET = object()
     _STOP = object()
+    _DONE = object()  # (_DONE, step): a launched step's results are on the host
 
     def __init__(self, runner: ModelRunner, overlap: bool = True) -> None:
         self.runner = runner
@@ -44,6 +70,7 @@ class StepPipeline:
         self.overlap = overlap and runner.device.type == "cuda"
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
+        self._waiter = _CompletionWaiter(self._inbox, self._DONE)
 
     # -- from other threads ------------------------------------------------------
 
@@ -71,18 +98,19 @@ class StepPipeline:
     def stop(self) -> None:
         self._stopped.set()
         self._inbox.put((self._STOP, None))
+        self._waiter.stop()
 
     # -- on the model's thread ---------------------------------------------------
 
     def run_forever(self) -> None:
         pending: tuple[LaunchedStep, Deliver] | None = None
         while True:
-            item = self._next(pending)
-            if item is None:  # the launched step finished before another plan came
-                self._finish(pending)
-                pending = None
-                continue
-            plan, deliver = item
+            plan, deliver = self._inbox.get()
+            if plan is self._DONE:
+                if pending is not None and deliver is pending[0]:  # the launched step finished before another plan came
+                    self._finish(pending)
+                    pending = None
+                continue  # else: a step already finished in order, when the next plan came first
             if plan is self._STOP or plan is self._RESET:
                 if pending is not None:
                     self._finish(pending)
@@ -105,23 +133,16 @@ class StepPipeline:
                 continue
             if pending is not None:
                 self._finish(pending)
+            if not self.overlap or launched.done is None:  # nothing to overlap with: finish it now
+                self._finish((launched, deliver))
+                continue
             pending = (launched, deliver)
+            self._waiter.watch(launched)
         # Nobody will run what is still queued: release whoever waits on it.
         while not self._inbox.empty():
             plan, deliver = self._inbox.get()
-            if deliver is not None:
+            if deliver is not None and plan is not self._DONE:
                 deliver(RuntimeError("executor is shutting down"))
-
-    def _next(self, pending: tuple[LaunchedStep, Deliver] | None):
-        """The next queued item; None when ``pending`` completed first."""
-        if pending is None:
-            return self._inbox.get()
-        while True:
-            try:
-                return self._inbox.get(timeout=_POLL_S)
-            except queue.Empty:
-                if pending[0].is_done():
-                    return None
 
     def _finish(self, pending: tuple[LaunchedStep, Deliver]) -> None:
         launched, deliver = pending
