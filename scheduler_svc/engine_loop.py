@@ -201,7 +201,8 @@ class AsyncEngine:
         # planned and sent while the executor runs the current one: the scheduler counts
         # the token each running request will get as held, the executor feeds it in itself,
         # and neither side waits for the other between steps.
-        in_flight: deque[asyncio.Future[StepResult]] = deque()
+        in_flight: deque[tuple[asyncio.Future[StepResult], float]] = deque()  # (result, when it was planned)
+        last_result_at = 0.0
         while True:
             scheduler = self.scheduler
             assert scheduler is not None
@@ -214,7 +215,7 @@ class AsyncEngine:
                 plan = scheduler.schedule()
                 self.host_seconds["schedule"] += time.perf_counter() - started
                 if not plan.is_empty:
-                    in_flight.append(asyncio.ensure_future(self.executor.step(plan)))
+                    in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started))
                     continue  # room for one more in flight? plan it now
             if not in_flight:
                 # Nothing to run (or nothing could be scheduled, e.g. the queue head waits
@@ -222,17 +223,21 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            future, planned_at = in_flight.popleft()
             try:
-                result = await in_flight.popleft()
+                result = await future
             except ExecutorUnavailable as exc:
-                for pending in in_flight:  # they went down with the same stream
+                for pending, _ in in_flight:  # they went down with the same stream
                     pending.cancel()
                 in_flight.clear()
                 await self._executor_lost(str(exc))
                 continue
             self.num_steps += 1
             started = time.perf_counter()
-            updates = scheduler.update(result)
+            # What the step cost in wall time: from the previous result (overlapped) or from
+            # its planning (one step at a time, or after idling) to its result.
+            period, last_result_at = started - max(last_result_at, planned_at), started
+            updates = scheduler.update(result, period)
             applied = time.perf_counter()
             texts = self._detokenize(updates)
             for update in updates:

@@ -10,10 +10,11 @@ draft length K that maximises expected tokens per second:
 
 where E_i(k) = a_i + a_i^2 + ... + a_i^k is the expected number of accepted
 drafts when request i accepts each draft with probability a_i (measured per
-request, a decayed count), and cost(T) is the measured duration of a
-generation step of T tokens, drafting for the next step included (what the
-executor reports). Only generation steps are measured: a step with context
-chunks costs what its prompts weigh, not what its drafts do.
+request, a decayed count), and cost(T) is the measured wall time of a
+generation step of T tokens, as the step loop sees it: drafting for the next
+step included, and so is what one step at a time loses against overlapped
+steps. Only generation steps are measured: a step with context chunks costs
+what its prompts weigh, not what its drafts do.
 
 Costs are learned per power-of-two bucket of T, each bucket keeping its last
 few measurements and using the smallest (a step is only ever slowed down by
