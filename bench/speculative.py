@@ -179,7 +179,11 @@ def run_generate(args) -> dict:
                 for k, n in r["draft_length_choices"].items():
                     choices[k] = choices.get(k, 0) + n
             out["batch1"]["draft_length_choices"] = choices
-            out["batch1"]["step_cost_points"] = async_engine.scheduler.draft_policy.costs.points()
+            policy = async_engine.scheduler.draft_policy
+            out["batch1"]["step_cost_points"] = {
+                "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
+                "executor": policy.executor_costs.points(),
+            }
             log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
             for batch in [b for b in args.batch_sizes if b > 1]:
                 requests = [
@@ -216,15 +220,19 @@ def run_generate(args) -> dict:
 # --------------------------------------------------------------------------- verify-cost
 
 
-def _engine_for_shape(shape: str, args, max_batch: int):
+def _engine_for(source: str, args, max_batch: int):
+    """An engine of a known shape (random weights), or of a checkpoint (its weights)."""
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_cached
-    from inflight.model_store import default_cache_dir
+    from inflight.model_store import default_cache_dir, resolve_model
 
-    folder = shape_folder(shape, default_cache_dir(), args.tokenizer_from)
+    if source in SHAPES:
+        folder, load_format = shape_folder(source, default_cache_dir(), args.tokenizer_from), "dummy"
+    else:
+        folder, load_format = resolve_model(source), "auto"
     build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
-    return build_cached(folder, build, default_cache_dir(), args.device, "dummy")
+    return build_cached(folder, build, default_cache_dir(), args.device, load_format)
 
 
 def run_verify_cost(args) -> dict:
@@ -237,14 +245,20 @@ def run_verify_cost(args) -> dict:
     from scheduler_svc.speculation import expected_accepted
 
     max_batch = max(args.batch_sizes) * (1 + max(args.ks))
-    target_dir = _engine_for_shape(args.shape, args, max_batch)
-    draft_dir = _engine_for_shape(args.draft_shape, args, max_batch)
-    spec = SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, max(args.ks), draft_engine_dir=draft_dir)
+    target_dir = _engine_for(args.shape, args, max_batch)
+    if args.draft_shape == "none":  # verification cost only (prompt lookup drafts cost next to nothing)
+        spec = SpeculativeConfig(SpeculativeMode.NGRAM, max(args.ks))
+    else:
+        spec = SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, max(args.ks), draft_engine_dir=_engine_for(args.draft_shape, args, max_batch))
     engine = load_engine(target_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction, speculative=spec))
     runner = ModelRunner(engine)
     tpb = engine.tokens_per_block
     gen = torch.Generator().manual_seed(0)
-    report: dict = {"target": args.shape, "draft": args.draft_shape, "context_len": args.context_len, "batches": {}}
+    def sync() -> None:
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    report: dict = {"target": Path(args.shape).name, "draft": Path(args.draft_shape).name, "context_len": args.context_len, "batches": {}}
     step_id = 0
 
     def timed(plan_for, reps: int) -> float:
@@ -252,13 +266,13 @@ def run_verify_cost(args) -> dict:
         for _ in range(3):  # warm-up (graph buckets, allocator)
             step_id += 1
             runner.execute(plan_for(step_id))
-        torch.cuda.synchronize()
+        sync()
         started = time.perf_counter()
         for _ in range(reps):
             step_id += 1
             result = runner.execute(plan_for(step_id))
             assert not result.request_errors, result.request_errors
-        torch.cuda.synchronize()
+        sync()
         return (time.perf_counter() - started) / reps
 
     for batch in args.batch_sizes:
@@ -281,19 +295,22 @@ def run_verify_cost(args) -> dict:
                     cached.append(CachedRequest(rid, state.num_computed_tokens, 1 + k, [], draft_token_ids=drafts))
                 return StepPlan(sid, cached_requests=cached)
 
+            launch_before = runner.host_seconds["launch"]
             seconds = timed(plan_for, args.reps)
+            launch_ms = (runner.host_seconds["launch"] - launch_before) * 1e3 / (args.reps + 3)
             draft_s = None
-            if k > 0:
+            if k > 0 and spec.mode is SpeculativeMode.DRAFT_MODEL:
                 requests = [DraftRequest(rid, runner.requests[rid].token_ids, tables[i], k) for i, rid in enumerate(ids)]
                 runner.proposer.propose(requests)  # warm-up
-                torch.cuda.synchronize()
+                sync()
                 started = time.perf_counter()
                 for _ in range(args.reps):
                     runner.proposer.propose(requests)
-                torch.cuda.synchronize()
+                sync()
                 draft_s = (time.perf_counter() - started) / args.reps
-            row[f"k{k}"] = {"verify_step_ms": seconds * 1e3, "draft_propose_ms": None if draft_s is None else draft_s * 1e3}
-            log(f"batch {batch} k={k}: verify step {seconds * 1e3:.2f} ms" + (f", drafting {draft_s * 1e3:.2f} ms" if draft_s else ""))
+            row[f"k{k}"] = {"verify_step_ms": seconds * 1e3, "host_launch_ms": launch_ms,
+                            "draft_propose_ms": None if draft_s is None else draft_s * 1e3}
+            log(f"batch {batch} k={k}: verify step {seconds * 1e3:.2f} ms (host launch {launch_ms:.2f})" + (f", drafting {draft_s * 1e3:.2f} ms" if draft_s else ""))
         plain = row["k0"]["verify_step_ms"]
         for k in args.ks:
             entry = row[f"k{k}"]
@@ -322,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--batch-max-tokens", type=int, default=128, help="batch N: output tokens per request (EOS ignored)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
-    cost.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    cost.add_argument("--draft-shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")
+    cost.add_argument("--draft-shape", default="llama-3.2-1b", help="draft: a known shape or checkpoint; none = verify only")
     cost.add_argument("--tokenizer-from", default="smollm2-135m-instruct")
     cost.add_argument("--ks", default="0,1,2,4", type=lambda s: [int(x) for x in s.split(",")])
     cost.add_argument("--batch-sizes", default="1,8", type=lambda s: [int(x) for x in s.split(",")])

@@ -99,6 +99,7 @@ class AsyncEngine:
             adaptive_draft_length=lim.adaptive_draft_length,
         )
         self.scheduler = Scheduler(config)
+        self.scheduler.draft_policy.overlap_available = lim.overlap_scheduling
         self._healthy = True
         log.info(
             "attached to executor: %s on %s, %d KV blocks of %d tokens (+%d host), max_batch_size=%d max_num_tokens=%d "
@@ -201,7 +202,8 @@ class AsyncEngine:
         # planned and sent while the executor runs the current one: the scheduler counts
         # the token each running request will get as held, the executor feeds it in itself,
         # and neither side waits for the other between steps.
-        in_flight: deque[tuple[asyncio.Future[StepResult], float]] = deque()  # (result, when it was planned)
+        # (result, when it was planned, whether another step was in flight then)
+        in_flight: deque[tuple[asyncio.Future[StepResult], float, bool]] = deque()
         last_result_at = 0.0
         while True:
             scheduler = self.scheduler
@@ -215,7 +217,7 @@ class AsyncEngine:
                 plan = scheduler.schedule()
                 self.host_seconds["schedule"] += time.perf_counter() - started
                 if not plan.is_empty:
-                    in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started))
+                    in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started, bool(in_flight)))
                     continue  # room for one more in flight? plan it now
             if not in_flight:
                 # Nothing to run (or nothing could be scheduled, e.g. the queue head waits
@@ -223,11 +225,11 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            future, planned_at = in_flight.popleft()
+            future, planned_at, overlapped = in_flight.popleft()
             try:
                 result = await future
             except ExecutorUnavailable as exc:
-                for pending, _ in in_flight:  # they went down with the same stream
+                for pending, _, _ in in_flight:  # they went down with the same stream
                     pending.cancel()
                 in_flight.clear()
                 await self._executor_lost(str(exc))
@@ -237,7 +239,7 @@ class AsyncEngine:
             # What the step cost in wall time: from the previous result (overlapped) or from
             # its planning (one step at a time, or after idling) to its result.
             period, last_result_at = started - max(last_result_at, planned_at), started
-            updates = scheduler.update(result, period)
+            updates = scheduler.update(result, period, overlapped)
             applied = time.perf_counter()
             texts = self._detokenize(updates)
             for update in updates:

@@ -360,17 +360,18 @@ class Scheduler:
         block = self.config.tokens_per_block
         return (token_budget // block) * block  # not the last chunk: whole blocks only
 
-    def update(self, result: StepResult, seconds: float | None = None) -> list[RequestUpdate]:
+    def update(self, result: StepResult, seconds: float | None = None, overlapped: bool = False) -> list[RequestUpdate]:
         """Apply a StepResult: append tokens, cache computed blocks, decide token-level stops, free blocks.
 
         ``seconds``: what the step cost in wall time as its caller saw it (the executor's
-        own ``step_us`` when not given); the draft-length policy learns from it.
+        own ``step_us`` when not given), ``overlapped``: whether it was planned while
+        another step ran; the draft-length policy learns from both.
         """
         updates: list[RequestUpdate] = []
         tokens = self._generation_steps.pop(result.step_id, None)
         seconds = seconds if seconds is not None else result.step_us / 1e6
         if tokens is not None and seconds > 0:
-            self.draft_policy.costs.observe(tokens, seconds)
+            self.draft_policy.observe(tokens, seconds, overlapped, result.step_us / 1e6)
         for request_id in self._sampling.pop(result.step_id, []):
             request = self.requests.get(request_id)
             if request is not None and request.num_pending_outputs > 0:

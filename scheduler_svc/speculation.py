@@ -14,7 +14,10 @@ request, a decayed count), and cost(T) is the measured wall time of a
 generation step of T tokens, as the step loop sees it: drafting for the next
 step included, and so is what one step at a time loses against overlapped
 steps. Only generation steps are measured: a step with context chunks costs
-what its prompts weigh, not what its drafts do.
+what its prompts weigh, not what its drafts do. K = 0 lets steps overlap
+again, so its cost comes from overlapped steps when there are measurements of
+them, and otherwise from the executor's own time per step (what overlapping
+hides the rest behind); K > 0 costs what steps run one at a time cost.
 
 Costs are learned per power-of-two bucket of T, each bucket keeping its last
 few measurements and using the smallest (a step is only ever slowed down by
@@ -123,7 +126,10 @@ class DraftLengthPolicy:
     def __init__(self, max_draft_tokens: int, adaptive: bool = True) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
-        self.costs = StepCosts()
+        self.overlap_available = True  # whether the step loop overlaps steps when speculation is off
+        self.costs = StepCosts()  # wall time of steps run one at a time
+        self.overlapped_costs = StepCosts()  # wall time of overlapped steps
+        self.executor_costs = StepCosts()  # the executor's own time per step
         self.last_k = max_draft_tokens
         self._steps = 0
         self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
@@ -141,7 +147,7 @@ class DraftLengthPolicy:
         estimates = []
         for k in range(self.max_draft_tokens + 1):
             drafts = [min(k, c.num_drafts) for c in candidates]
-            seconds = self.costs.step_seconds(base + sum(drafts))
+            seconds = self._cost(k, base + sum(drafts))
             if seconds is None:  # nothing measured yet: speculate fully once and learn
                 best_k = self.max_draft_tokens
                 break
@@ -157,6 +163,20 @@ class DraftLengthPolicy:
         self.last_k = best_k
         self.choices[best_k] += 1
         return best_k
+
+    def observe(self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float) -> None:
+        """A generation step of ``num_tokens`` tokens took ``wall_seconds`` as the step loop saw it."""
+        (self.overlapped_costs if overlapped else self.costs).observe(num_tokens, wall_seconds)
+        if executor_seconds > 0:
+            self.executor_costs.observe(num_tokens, executor_seconds)
+
+    def _cost(self, k: int, num_tokens: int) -> float | None:
+        if k == 0 and self.overlap_available:
+            for costs in (self.overlapped_costs, self.executor_costs):
+                seconds = costs.step_seconds(num_tokens)
+                if seconds is not None:
+                    return seconds
+        return self.costs.step_seconds(num_tokens)
 
     def _probing(self) -> bool:
         return self._steps % PROBE_EVERY < PROBE_STEPS

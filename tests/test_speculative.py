@@ -167,6 +167,14 @@ def test_draft_length_follows_the_measured_step_cost():
         policy.costs.observe(tokens, 0.010 * tokens / 8)
     policy._steps = 10  # not a probe step
     assert policy.choose(candidates, 0) == 0
+    # Memory-bound again, but one step at a time costs twice an overlapped step: K = 0 keeps the overlap.
+    policy = DraftLengthPolicy(max_draft_tokens=4)
+    policy._steps = 10
+    for tokens in (8, 16, 32, 40):
+        policy.observe(tokens, 0.020, overlapped=False, executor_seconds=0.009)
+    policy.observe(8, 0.010, overlapped=True, executor_seconds=0.009)
+    assert policy.choose([Candidate(str(i), 4, 0.3) for i in range(8)], 0) == 0  # 1.4 tokens per 20 ms < 1 per 10
+    assert policy.choose([Candidate(str(i), 4, 0.9) for i in range(8)], 0) == 4  # 4.1 tokens per 20 ms > 1 per 10
     # One slow measurement (a compilation, a busy host) does not stick: the fastest recent one counts.
     policy.costs.observe(16, 0.5)
     assert policy.costs.step_seconds(16) == pytest.approx(0.020)
