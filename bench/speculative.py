@@ -193,6 +193,11 @@ def run_generate(args) -> dict:
                 ]
                 run = await _run(async_engine, requests, f"{mode} batch {batch}")
                 run.pop("outputs")
+                policy = async_engine.scheduler.draft_policy
+                run["step_cost_points"] = {
+                    "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
+                    "executor": policy.executor_costs.points(),
+                }
                 run["acceptance_by_position"] = _rates(run.pop("drafts_by_position"), run.pop("accepted_by_position"))
                 out[f"batch{batch}"] = run
                 log(f"{mode}: batch {batch} {run['output_tokens_per_s']:.0f} tok/s")

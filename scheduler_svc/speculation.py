@@ -20,8 +20,9 @@ them, and otherwise from the executor's own time per step (what overlapping
 hides the rest behind); K > 0 costs what steps run one at a time cost.
 
 Costs are learned per power-of-two bucket of T, each bucket keeping its last
-few measurements and using the smallest (a step is only ever slowed down by
-noise: a compilation, a busy host), and interpolated between buckets. Step
+few measurements and using their median (one slow step, a compilation, does
+not stick; a host that is often slow counts), and interpolated between
+buckets. Step
 sizes past the largest measured one are assumed to cost what it did, which is
 optimistic, so a larger K gets tried and then judged by its real cost.
 
@@ -44,7 +45,7 @@ log = logging.getLogger("inflight.scheduler")
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
-RECENT = 4  # measurements each step-size bucket keeps
+RECENT = 8  # measurements each step-size bucket keeps
 PROBE_EVERY = 32  # steps between probes while speculation is off
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
 
@@ -96,8 +97,8 @@ class StepCosts:
         self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds))
 
     def points(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) per bucket: its fastest recent step."""
-        return sorted(min(window, key=lambda p: p[1]) for window in self.recent.values())
+        """(tokens, seconds) per bucket: its median recent step."""
+        return sorted(sorted(window, key=lambda p: p[1])[len(window) // 2] for window in self.recent.values())
 
     def step_seconds(self, num_tokens: int) -> float | None:
         points = self.points()
