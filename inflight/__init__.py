@@ -1,6 +1,7 @@
 """inflight: an LLM inference server with inflight batching over a paged KV cache.
 
-The offline API: ``LLM``, ``BuildConfig``, ``QuantConfig``, ``SamplingParams``.
+The offline API: ``LLM``, ``BuildConfig``, ``QuantConfig``, ``SamplingParams``,
+``SpeculativeConfig`` and ``SpeculativeMode``.
 The gRPC client: ``inflight.client``. The command line: ``inflight --help``.
 """
 
@@ -10,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from executor_svc.build_config import BuildConfig, QuantConfig
+    from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
     from inflight.llm import LLM, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "BuildConfig", "QuantConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BuildConfig", "QuantConfig", "RequestOutput", "SamplingParams", "SpeculativeConfig", "SpeculativeMode"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,6 +23,10 @@ def __getattr__(name: str) -> Any:
         from executor_svc import build_config
 
         return getattr(build_config, name)
+    if name in ("SpeculativeConfig", "SpeculativeMode"):
+        from executor_svc.speculative import proposer
+
+        return getattr(proposer, name)
     if name in ("LLM", "RequestOutput", "SamplingParams"):
         from inflight import llm
 
