@@ -342,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=256, help="batch 1: most output tokens (EOS ends earlier)")
     gen.add_argument("--batch-sizes", default="1,64,256", type=lambda s: [int(x) for x in s.split(",")])
     gen.add_argument("--batch-max-tokens", type=int, default=128, help="batch N: output tokens per request (EOS ignored)")
+    gen.add_argument("--switch-interval-ms", type=float, default=0.0,
+                     help="Python's GIL switch interval for this run (0 = leave the default, 5 ms)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
     cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")
@@ -371,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("inflight.scheduler").setLevel(logging.DEBUG)
     if args.part == "generate":
         default_load_format(args)
+        if args.switch_interval_ms:
+            sys.setswitchinterval(args.switch_interval_ms / 1e3)
         payload = run_generate(args)
     else:
         payload = run_verify_cost(args)

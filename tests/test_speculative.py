@@ -275,6 +275,23 @@ def test_wrong_drafts_change_nothing_but_acceptance(engine, tokenizer, plain_out
     assert stats.drafts.num_accepted < stats.drafts.num_draft_tokens / 2
 
 
+def test_loading_a_draft_model_splits_the_kv_budget(engine_dir, random_draft_engine):
+    """``RuntimeConfig.speculative`` with a draft engine: both caches get the same block count, paid from one budget."""
+    from executor_svc.engine import RuntimeConfig, load_engine
+
+    budget = 128 << 20
+    plain = load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=budget))
+    spec = SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, 3, draft_engine_dir=random_draft_engine.engine_dir)
+    paired = load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=budget, speculative=spec))
+    assert paired.draft is not None and paired.draft.num_kv_blocks == paired.num_kv_blocks
+    assert paired.draft.kv_cache.shape[2] == paired.num_kv_blocks + 1  # + its scratch block
+    per_block = paired.layout.bytes_per_block + paired.draft.layout.bytes_per_block
+    assert paired.num_kv_blocks == budget // per_block - 1 < plain.num_kv_blocks
+    with pytest.raises(ValueError, match="draft engine folder"):
+        load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=budget,
+                                              speculative=SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, 3)))
+
+
 def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):
     spec = _with_speculation(engine, SpeculativeMode.NGRAM)
     outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, sampling={"temperature": 0.7, "top_p": 0.9})
