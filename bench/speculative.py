@@ -131,11 +131,22 @@ def run_generate(args) -> dict:
     build = BuildConfig(max_batch_size=max(args.batch_sizes), max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
+    if args.train_heads:  # `inflight train-draft` with its defaults (self-distillation on the built-in corpus)
+        from inflight.cli import main as inflight_main
+
+        started = time.perf_counter()
+        if inflight_main(["train-draft", str(engine_dir), "--device", "cuda" if args.device.startswith("cuda") else "cpu"]):
+            raise SystemExit("training draft heads failed")
+        train_seconds = time.perf_counter() - started
     base = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction))
     tokenizer = Tokenizer(engine_dir)
     prompts = {"grounded": GROUNDED, "chat": CHAT}[args.prompts][: args.num_prompts or None]
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
     report: dict = {"engine_dir": engine_dir.name, "prompts": args.prompts, "num_prompts": len(texts), "modes": {}}
+    if args.train_heads:
+        from executor_svc.speculative.draft_heads import read_heads_meta
+
+        report["draft_heads"] = {"train_seconds": train_seconds, **read_heads_meta(engine_dir)}
 
     async def measure(mode: str) -> dict:
         engine = dataclasses.replace(base, speculative=_mode_config(mode, args))
@@ -344,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--batch-max-tokens", type=int, default=128, help="batch N: output tokens per request (EOS ignored)")
     gen.add_argument("--switch-interval-ms", type=float, default=0.0,
                      help="Python's GIL switch interval for this run (0 = leave the default, 5 ms)")
+    gen.add_argument("--train-heads", action="store_true", help="run `inflight train-draft` on the engine first")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
     cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")

@@ -5,6 +5,7 @@
     inflight serve     scheduler + one executor (two processes)
     inflight scheduler / inflight executor   each service alone (compose, scaling)
     inflight generate  stream a completion from a running server to stdout
+    inflight train-draft  Medusa-style draft heads for an engine (speculative decoding)
 
 Logs go to stderr; ``generate`` writes only the completion to stdout.
 """
@@ -117,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     gen.add_argument("--priority", type=int, default=0, help="admission priority, higher first ([-100, 100])")
     gen.add_argument("--cache-salt", default="", help="share cached prefix blocks only with requests of the same salt")
+
+    from inflight.train_draft import add_train_draft_parser
+
+    add_train_draft_parser(sub)
     return parser
 
 
@@ -152,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "train-draft":
+        from inflight.train_draft import run_train_draft
+
+        return run_train_draft(args)
     if args.command in ("build", "inspect"):
         from inflight import build_commands
 

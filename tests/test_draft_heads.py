@@ -17,16 +17,19 @@ import pytest
 import torch
 
 from conftest import TEST_DEVICE
-from executor_svc.quantization.corpus import held_out_texts, encode_texts
+from executor_svc.quantization.corpus import encode_texts, held_out_texts
 from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.draft_heads import (
     DraftHeads, heads_meta_path, heads_path, load_draft_heads, save_draft_heads,
 )
-from executor_svc.speculative.train_heads import DistillConfig, collect_hidden, distill_heads, head_agreement
+from executor_svc.speculative.train_heads import (
+    DistillConfig, collect_hidden, distill_heads, head_agreement, self_generate,
+)
 from inflight.train_draft import add_train_draft_parser, run_train_draft
 
 SMALL_RUN = DistillConfig(
     num_heads=2, num_texts=16, max_tokens_per_text=96, epochs=3, lr=3e-3, batch_rows=32, num_eval_texts=6,
+    self_generate=False,  # one forward per text keeps this quick on a CPU; the command's test generates
 )
 
 
@@ -35,7 +38,8 @@ def held_out_hidden(engine) -> list[torch.Tensor]:
     """The target's final hidden states over three held-out texts."""
     texts, _ = held_out_texts(3)
     token_lists = encode_texts(engine.engine_dir, texts, 64)
-    runner = PromptForward.create(engine.model, engine.model_config, 64, engine.tokens_per_block, engine.device, engine.dtype)
+    config = engine.model_config
+    runner = PromptForward.create(engine.model, config, 64, engine.tokens_per_block, engine.device, engine.dtype)
     return collect_hidden(runner, token_lists, "hidden", progress=False)
 
 
@@ -88,6 +92,7 @@ def test_distillation_raises_held_out_agreement(trained):
     # Untrained, head 0 is right only where the target repeats its previous token (rare);
     # distilled, it must beat that by a clear margin on texts it never saw.
     assert report.agreement_after[0] >= report.agreement_before[0] + 0.03, report
+    assert report.agreement_after[1] > report.agreement_before[1], report
     assert min(report.eval_positions) > 300
 
 
@@ -133,6 +138,20 @@ def test_loading_heads_into_another_shape_or_from_nowhere_fails_clearly(engine, 
         load_draft_heads(tiny_engine_dir, tiny_config, engine.device, engine.dtype)
 
 
+def test_self_generated_text_is_the_targets_own_greedy_continuation(engine):
+    texts, _ = held_out_texts(3)
+    prompts = [ids[:n] for ids, n in zip(encode_texts(engine.engine_dir, texts, 16), (8, 3, 12))]
+    generated = self_generate(engine, prompts, 24, eos_ids=set(), progress=False)
+    assert [len(g) for g in generated] == [24, 24, 24]
+    runner = PromptForward.create(engine.model, engine.model_config, 24, engine.tokens_per_block, engine.device,
+                                  engine.dtype)
+    for prompt, tokens in zip(prompts, generated):
+        assert tokens[: len(prompt)] == prompt
+        with torch.inference_mode():  # teacher-forced over the result, the target picks every generated token
+            greedy = engine.model.compute_logits(runner.hidden_states(tokens)).argmax(-1).tolist()
+        assert tokens[len(prompt) :] == greedy[len(prompt) - 1 : -1]
+
+
 def _cli(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="inflight")
     add_train_draft_parser(parser.add_subparsers(dest="command", required=True))
@@ -145,7 +164,7 @@ def test_train_draft_command_writes_heads_the_engine_can_load(tiny_engine_dir, t
     assert run_train_draft(_cli(str(tmp_path), "--device", "cpu")) == 2  # not an engine folder
     assert "not an engine folder" in capsys.readouterr().err
     argv = ["--num-heads", "2", "--num-texts", "4", "--max-tokens-per-text", "40", "--epochs", "1",
-            "--num-eval-texts", "2", "--self-generate", "--device", TEST_DEVICE]
+            "--num-eval-texts", "2", "--device", TEST_DEVICE]  # self-generated data, the default
     assert run_train_draft(_cli(str(tiny_engine_dir), *argv)) == 0
     out = capsys.readouterr().out
     assert "head 0 (token t+2)" in out and "head 1 (token t+3)" in out

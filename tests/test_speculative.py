@@ -275,6 +275,21 @@ def test_wrong_drafts_change_nothing_but_acceptance(engine, tokenizer, plain_out
     assert stats.drafts.num_accepted < stats.drafts.num_draft_tokens / 2
 
 
+def test_draft_heads_speculation_gives_the_same_greedy_tokens(engine, tokenizer, plain_outputs, tmp_path):
+    from executor_svc.speculative.draft_heads import DraftHeads, save_draft_heads
+
+    torch.manual_seed(0)
+    heads = DraftHeads(3, engine.model_config.hidden_size, engine.model_config.vocab_size)
+    with torch.no_grad():
+        heads.weight.normal_(std=0.02)  # some drafts right (a head near zero repeats the next token), most wrong
+    save_draft_heads(heads, tmp_path, {"test": True})
+    spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4))
+    outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
+    assert outputs == plain_outputs
+    assert stats.drafts.num_draft_tokens > 0
+    assert len(stats.drafts.by_position) == 3  # the executor offers no more drafts than it has heads
+
+
 def test_loading_a_draft_model_splits_the_kv_budget(engine_dir, random_draft_engine):
     """``RuntimeConfig.speculative`` with a draft engine: both caches get the same block count, paid from one budget."""
     from executor_svc.engine import RuntimeConfig, load_engine

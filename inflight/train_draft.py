@@ -1,0 +1,85 @@
+"""``inflight train-draft``: Medusa-style draft heads for an engine, by self-distillation.
+
+The heads are written next to the engine (``draft_heads.safetensors`` and
+``draft_heads.json``); ``inflight serve --speculative draft_heads`` uses them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``train-draft`` on the CLI's subparsers."""
+    from executor_svc.speculative.train_heads import DistillConfig
+
+    d = DistillConfig()
+    p = subparsers.add_parser("train-draft", help="train Medusa-style draft heads for an engine (speculative decoding)")
+    p.add_argument("engine_dir", help="engine folder; the heads are saved in it")
+    p.add_argument("--num-heads", type=int, default=d.num_heads, help="heads: most draft tokens per step")
+    p.add_argument("--data", default=d.data, metavar="FILE",
+                   help="training texts, one per line (default: the built-in stdlib-docstring corpus)")
+    p.add_argument("--num-texts", type=int, default=d.num_texts, help="training texts")
+    p.add_argument("--max-tokens-per-text", type=int, default=d.max_tokens_per_text, help="tokens kept per text")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (cosine-decayed)")
+    p.add_argument("--batch-rows", type=int, default=d.batch_rows, help="positions per minibatch")
+    p.add_argument("--self-generate", action=argparse.BooleanOptionalAction, default=d.self_generate,
+                   help="train on the target's own greedy continuations of the texts' first tokens (what the heads "
+                        "see when serving; one decode step per token); --no-self-generate: the texts as they are")
+    p.add_argument("--num-eval-texts", type=int, default=d.num_eval_texts,
+                   help="held-out texts for the agreement report")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: the engine's device")
+    return p
+
+
+def run_train_draft(args: argparse.Namespace) -> int:
+    """Exit status 0 trained and saved, 2 bad engine folder, data or settings."""
+    from executor_svc.engine import RuntimeConfig, load_engine, resolve_device
+    from executor_svc.engine_file import EngineMismatchError, read_manifest
+    from executor_svc.speculative.draft_heads import save_draft_heads
+    from executor_svc.speculative.train_heads import DistillConfig, distill_heads
+
+    engine_dir = Path(args.engine_dir)
+    try:
+        config = DistillConfig(
+            num_heads=args.num_heads, data=args.data, num_texts=args.num_texts,
+            max_tokens_per_text=args.max_tokens_per_text, self_generate=args.self_generate, epochs=args.epochs,
+            lr=args.lr, batch_rows=args.batch_rows, num_eval_texts=args.num_eval_texts, seed=args.seed,
+        )
+        manifest = read_manifest(engine_dir)
+        device = "auto" if args.device == "auto" else str(resolve_device("cuda:0" if args.device == "cuda" else "cpu"))
+        # Training runs in caches of its own; the engine's needs to hold only one sequence.
+        min_blocks = -(-manifest.max_seq_len // manifest.build_config.tokens_per_block)
+        engine = load_engine(engine_dir, RuntimeConfig(device=device, num_kv_blocks=min_blocks, cuda_graphs=False))
+    except (FileNotFoundError, EngineMismatchError, ValueError, RuntimeError) as exc:
+        print(f"inflight train-draft: {exc}", file=sys.stderr)
+        return 2
+    try:
+        heads, report = distill_heads(engine, config)
+    except (FileNotFoundError, ValueError) as exc:  # an unreadable or empty --data file
+        print(f"inflight train-draft: {exc}", file=sys.stderr)
+        return 2
+    path = save_draft_heads(heads, engine_dir, report.to_json())
+    print(format_report(path, heads.num_heads, engine.model_config.hidden_size, report))
+    return 0
+
+
+def format_report(path: Path, num_heads: int, hidden_size: int, report) -> str:  # report: DistillReport
+    """What the CLI prints: where the heads went, what they were trained on, and per-head agreement."""
+    losses = f"{report.epoch_losses[0]:.3f} -> {report.epoch_losses[-1]:.3f}" if report.epoch_losses else "n/a"
+    lines = [
+        f"draft heads {path} ({num_heads} heads of {hidden_size}x{hidden_size} + the target's lm_head)",
+        f"trained on  {report.num_texts} texts, {report.num_tokens} tokens of {report.data}",
+        f"training    {report.epochs} epochs, lr {report.lr:g}, loss (KL) per epoch {losses}, {report.seconds:.1f} s",
+        f"agreement   top-1 with the target's greedy token on {report.eval_data}: untrained -> trained",
+    ]
+    for i, (before, after, positions) in enumerate(
+        zip(report.agreement_before, report.agreement_after, report.eval_positions)
+    ):
+        lines.append(f"  head {i} (token t+{i + 2})  {before:6.1%} -> {after:6.1%}   ({positions} positions)")
+    lines.append("serve with  --speculative draft_heads")
+    return "\n".join(lines)
