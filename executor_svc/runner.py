@@ -23,6 +23,7 @@ proposer for the next step's drafts.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ from executor_svc.speculative.proposer import DraftRequest, build_proposer
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
 from protos.plan import NewRequest, RequestOutput, StepPlan, StepResult
+
+
+log = logging.getLogger("inflight.executor")
 
 
 @dataclass(slots=True)
@@ -313,7 +317,12 @@ class ModelRunner:
                          None if hidden is None else hidden[i])
             for i, (output, state, _) in enumerate(to_draft)
         ]
-        for (output, _, _), proposal in zip(to_draft, self.proposer.propose(requests)):
+        try:
+            proposals = self.proposer.propose(requests)
+        except Exception:  # noqa: BLE001 - drafting is an optimisation: a failure costs drafts, not the step
+            log.exception("draft proposer failed; the step's requests get no drafts")
+            proposals = [[] for _ in requests]
+        for (output, _, _), proposal in zip(to_draft, proposals):
             output.next_draft_token_ids = proposal
         spent = time.perf_counter() - started
         step.result.draft_us = int(spent * 1e6)

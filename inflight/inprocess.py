@@ -29,6 +29,8 @@ class InProcessExecutor:
         self._thread.start()
 
     async def info(self) -> ExecutorInfo:
+        """Called when a scheduler attaches: whatever an earlier one left in the runner is dropped (as a new gRPC stream does)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.pipeline.reset)
         return executor_info(self.runner)
 
     async def step(self, plan: StepPlan) -> StepResult:

@@ -228,11 +228,13 @@ class AsyncEngine:
             future, planned_at, overlapped = in_flight.popleft()
             try:
                 result = await future
-            except ExecutorUnavailable as exc:
+            except Exception as exc:  # noqa: BLE001 - the executor is gone or broke: its state is lost either way
                 for pending, _, _ in in_flight:  # they went down with the same stream
                     pending.cancel()
                 in_flight.clear()
-                await self._executor_lost(str(exc))
+                if not isinstance(exc, ExecutorUnavailable):
+                    log.exception("executor step failed")
+                await self._executor_lost(str(exc) if isinstance(exc, ExecutorUnavailable) else f"step failed: {type(exc).__name__}: {exc}")
                 continue
             self.num_steps += 1
             started = time.perf_counter()

@@ -325,3 +325,19 @@ def test_executor_rejects_malformed_drafts(engine):
     bad = StepPlan(2, cached_requests=[CachedRequest("a", 4, 2, [], draft_token_ids=[5, 6])])  # 2 drafts need 3 tokens
     result = runner.execute(bad)
     assert "drafts" in result.request_errors["a"] and "a" not in runner.requests
+
+
+def test_a_failing_proposer_costs_drafts_not_the_step(engine):
+    from executor_svc.runner import ModelRunner
+    from protos.plan import NewRequest
+
+    runner = ModelRunner(_with_speculation(engine, SpeculativeMode.NGRAM))
+
+    def broken(requests):
+        raise RuntimeError("proposer fault")
+
+    runner.proposer.propose = broken
+    plan = StepPlan(1, new_requests=[NewRequest("a", [1, 2, 3, 4], 4, 0, 4, list(range(4)), SamplingConfig(temperature=0.0), 2)])
+    result = runner.execute(plan)
+    assert not result.request_errors and len(result.outputs[0].token_ids) == 1
+    assert result.outputs[0].next_draft_token_ids == []
