@@ -102,6 +102,16 @@ def engine(engine_dir):
     return load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=256 << 20))
 
 
+def tiny_llama_config(vocab_size: int, max_positions: int = 4096) -> dict:
+    """A two-layer Llama config (hidden 64) for random-weight engines that share the default model's vocabulary."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": vocab_size, "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
+    }
+
+
 def run_async(coro):
     return asyncio.run(coro)
 

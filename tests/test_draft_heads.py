@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, tiny_llama_config
 from executor_svc.quantization.corpus import encode_texts, held_out_texts
 from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.draft_heads import (
@@ -56,13 +56,7 @@ def tiny_engine_dir(model_dir, engine, tmp_path_factory):
     from executor_svc.builder import build_engine
 
     folder = tmp_path_factory.mktemp("tiny-target")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": engine.model_config.vocab_size, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(tiny_llama_config(engine.model_config.vocab_size, 512)))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / name, folder / name)
     build = BuildConfig(max_batch_size=8, max_num_tokens=512, max_seq_len=256, tokens_per_block=16, dtype="float32")

@@ -24,7 +24,7 @@ from executor_svc.sampler import RequestSamplingState
 from protos.plan import CachedRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
 from scheduler_svc.api_types import GenerationRequest
 from scheduler_svc.speculation import Candidate, DraftLengthPolicy, expected_accepted
-from tests.conftest import PROMPTS, TEST_DEVICE, run_async
+from tests.conftest import PROMPTS, TEST_DEVICE, run_async, tiny_llama_config
 from tests.test_scheduler import make_request, make_scheduler
 
 # Prompts whose continuations copy from the prompt: where prompt lookup pays.
@@ -255,13 +255,7 @@ def random_draft_engine(engine, tmp_path_factory):
     from executor_svc.engine import RuntimeConfig, load_engine
 
     folder = tmp_path_factory.mktemp("tiny-draft")
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": engine.model_config.vocab_size, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "float32",
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps(tiny_llama_config(engine.model_config.vocab_size)))
     build = BuildConfig(max_batch_size=64, max_num_tokens=4096, max_seq_len=2048, tokens_per_block=16, dtype="float32")
     build_engine(folder, folder / "engine", build, device=TEST_DEVICE, load_format="dummy", progress=False)
     return load_engine(folder / "engine", RuntimeConfig(device=TEST_DEVICE, num_kv_blocks=engine.num_kv_blocks))
