@@ -11,17 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
+from executor_svc.packed_forward import to_device
 from protos.plan import SamplingConfig
 
 _NEG_INF = float("-inf")
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor; pinned + non_blocking on CUDA so the copy never syncs."""
-    t = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class _DeviceIds:
@@ -36,7 +29,7 @@ class _DeviceIds:
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         if self._tensor is None or self._synced < len(self.ids):
-            new = _to_device(self.ids[self._synced :], torch.long, device)
+            new = to_device(self.ids[self._synced :], torch.long, device)
             self._tensor = new if self._tensor is None else torch.cat([self._tensor, new])
             self._synced = len(self.ids)
         return self._tensor
@@ -129,7 +122,7 @@ class RequestSamplingState:
         cfg = self.config
         if self._num_output < cfg.min_tokens and cfg.min_tokens_blocked_ids:
             if self._blocked is None:
-                self._blocked = _to_device(list(cfg.min_tokens_blocked_ids), torch.long, self.device)
+                self._blocked = to_device(list(cfg.min_tokens_blocked_ids), torch.long, self.device)
             row.index_fill_(0, self._blocked, _NEG_INF)
         if self._seen_ids is not None:
             # HF semantics: shrink towards "less likely" whatever the logit's sign.
@@ -198,6 +191,18 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor,
     return scaled.softmax(-1)
 
 
+def config_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> torch.Tensor:
+    """``filtered_probs`` with each row's parameters taken from ``configs[row]`` (all sampled, none greedy)."""
+    device = logits.device
+    return filtered_probs(
+        logits,
+        to_device([c.temperature for c in configs], torch.float32, device),
+        to_device([c.top_k for c in configs], torch.long, device) if any(c.top_k > 0 for c in configs) else None,
+        to_device([c.top_p for c in configs], torch.float32, device) if any(c.top_p < 1.0 for c in configs) else None,
+        to_device([c.min_p for c in configs], torch.float32, device) if any(c.min_p > 0.0 for c in configs) else None,
+    )
+
+
 class Sampler:
     """Picks one token per row of a logits batch, each row by its own request's state."""
 
@@ -235,20 +240,10 @@ class Sampler:
             return logits.argmax(dim=-1)
         chosen = torch.empty(len(states), dtype=torch.long, device=device)
         if greedy:
-            rows = _to_device(greedy, torch.long, device)
+            rows = to_device(greedy, torch.long, device)
             chosen[rows] = logits[rows].argmax(dim=-1)
-        rows = _to_device(sampled, torch.long, device) if greedy else None
-        cfgs = [states[i].config for i in sampled]
-        probs = filtered_probs(
-            logits if rows is None else logits[rows],
-            _to_device([c.temperature for c in cfgs], torch.float32, device),
-            _to_device([c.top_k for c in cfgs], torch.long, device)
-            if any(c.top_k > 0 for c in cfgs) else None,
-            _to_device([c.top_p for c in cfgs], torch.float32, device)
-            if any(c.top_p < 1.0 for c in cfgs) else None,
-            _to_device([c.min_p for c in cfgs], torch.float32, device)
-            if any(c.min_p > 0.0 for c in cfgs) else None,
-        )
+        rows = to_device(sampled, torch.long, device) if greedy else None
+        probs = config_probs(logits if rows is None else logits[rows], [states[i].config for i in sampled])
         noise = torch.empty_like(probs)
         for j, i in enumerate(sampled):
             states[i]._catch_up(probs.shape[1], device)

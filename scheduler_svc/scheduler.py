@@ -153,7 +153,7 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         # By priority; within one, generation work (one missing token) before context in progress.
         order = sorted(self.running, key=lambda r: (-r.priority, r.num_tokens - r.num_computed_tokens > 1))
-        draft_length = self._choose_draft_length(order)
+        draft_length, drafts_of = self._choose_draft_length(order)
         for request in order:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -165,7 +165,7 @@ class Scheduler:
                 or held >= self.config.max_seq_len
             ):
                 continue  # its last token is already on its way
-            drafts = self._drafts_for(request)[:max(0, min(draft_length, step.token_budget - 1))]
+            drafts = drafts_of.get(request.request_id, [])[:max(0, min(draft_length, step.token_budget - 1))]
             count = 1 + len(drafts) if drafts else self._chunk(held - request.num_computed_tokens, step.token_budget)
             if count == 0:
                 continue
@@ -197,18 +197,20 @@ class Scheduler:
         ) - 1
         return request.draft_token_ids[: max(0, room)]
 
-    def _choose_draft_length(self, order: list[Request]) -> int:
+    def _choose_draft_length(self, order: list[Request]) -> tuple[int, dict[str, list[int]]]:
+        """The step's draft length, and the drafts each request may verify (cut to its limits)."""
         if not self.config.max_draft_tokens:
-            return 0
-        candidates, other = [], 0
+            return 0, {}
+        candidates, other, drafts_of = [], 0, {}
         for request in order:
             drafts = self._drafts_for(request)
             if drafts:
+                drafts_of[request.request_id] = drafts
                 candidates.append(Candidate(request.request_id, len(drafts), request.acceptance.rate))
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        return self.draft_policy.choose(candidates, other)
+        return self.draft_policy.choose(candidates, other), drafts_of
 
     def _propose_for(self, request: Request, computed_after: int, held: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from executor_svc.sampler import RequestSamplingState, filtered_probs
+from executor_svc.packed_forward import to_device
+from executor_svc.sampler import RequestSamplingState, config_probs
 
 NO_DRAFT = -1  # marks the last row of a chain: it only provides the bonus token
 
@@ -56,20 +57,13 @@ def verify_drafts(
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=device)
     accepted = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
     if greedy:
-        rows = torch.tensor(greedy, dtype=torch.int64, device=device)
+        rows = to_device(greedy, torch.int64, device)
         best = logits[rows].argmax(dim=-1)
         tokens[rows] = best
         accepted[rows] = has_draft[rows] & (best == safe_drafts[rows])
     sampled = [i for i, s in enumerate(states) if not s.config.is_greedy]
-    rows = torch.tensor(sampled, dtype=torch.int64, device=device)
-    cfgs = [states[i].config for i in sampled]
-    probs = filtered_probs(
-        logits[rows],
-        torch.tensor([c.temperature for c in cfgs], dtype=torch.float32, device=device),
-        torch.tensor([c.top_k for c in cfgs], dtype=torch.int64, device=device) if any(c.top_k > 0 for c in cfgs) else None,
-        torch.tensor([c.top_p for c in cfgs], dtype=torch.float32, device=device) if any(c.top_p < 1.0 for c in cfgs) else None,
-        torch.tensor([c.min_p for c in cfgs], dtype=torch.float32, device=device) if any(c.min_p > 0.0 for c in cfgs) else None,
-    )  # [sampled rows, vocab]
+    rows = to_device(sampled, torch.int64, device)
+    probs = config_probs(logits[rows], [states[i].config for i in sampled])  # [sampled rows, vocab]
     drafts, judged = safe_drafts[rows], has_draft[rows]
     p_draft = probs.gather(1, drafts[:, None]).squeeze(1)  # p_i(d_i)
     # Each row draws from its own request's generator: one uniform (accept?) and
