@@ -178,7 +178,7 @@ def _capture_graphs(engine: Engine) -> DecodeGraphs:
 def _load_draft(runtime: RuntimeConfig) -> Engine:
     """The draft model's engine with a placeholder KV cache (one sequence's worth) and no graphs yet."""
     if runtime.speculative.draft_engine_dir is None:
-        raise ValueError("speculative mode draft_model needs a draft engine folder (--draft-engine)")
+        raise ValueError("speculative mode draft_model needs a draft engine folder (--draft-model)")
     draft_dir = Path(runtime.speculative.draft_engine_dir)
     manifest = read_manifest(draft_dir)
     min_blocks = -(-manifest.max_seq_len // manifest.build_config.tokens_per_block)
