@@ -8,7 +8,9 @@ it. Requests are token ids, greedy, EOS ignored.
 
 Workloads:
   ttft            TTFT of a request whose --prefix-len prefix is cached vs not (and, with
-                  --host-cache-gb, cached in the host tier only), median over --ttft-trials.
+                  --host-cache-gb, cached in the host tier only), median over --ttft-trials;
+                  the cached case also with its chunk computed as one tile set rather than as
+                  graph-replayed rows, and each case's host and GPU time by phase.
   shared          --shared-requests requests with one --shared-prefix-len "system prompt" and
                   distinct suffixes, all at once after one request warmed the prefix (steady
                   state); prefix reuse on vs off: hit rate, throughput, TTFT.
@@ -34,6 +36,7 @@ import datetime as dt
 import json
 import random
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -129,12 +132,30 @@ class Scheduled:
         from inflight.inprocess import InProcessExecutor
         from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
 
-        self.async_engine = AsyncEngine(InProcessExecutor(engine), tokenizer, EngineLimits(max_queue_size=1 << 20, **limits))
+        self.executor = InProcessExecutor(engine)
+        self.async_engine = AsyncEngine(self.executor, tokenizer, EngineLimits(max_queue_size=1 << 20, **limits))
 
     async def __aenter__(self):
         await self.async_engine.start()
         await one_request(self.async_engine, [1000 + i for i in range(8)], 2)  # first-call costs out of the way
         return self.async_engine
+
+    def host_seconds(self) -> dict[str, float]:
+        """Cumulative host seconds by phase: the scheduler loop's and the executor runner's."""
+        return {**self.async_engine.host_seconds, **self.executor.runner.host_seconds}
+
+    async def timed_request(self, prompt: list[int]) -> tuple[Trace, dict]:
+        """One single-token request alone, with where its time went: host ms by phase and GPU ms of its steps."""
+        runner = self.executor.runner
+        before, steps_before = self.host_seconds(), self.async_engine.num_steps
+        timings_before = len(runner.timeline.steps) if runner.timeline is not None else 0
+        trace = await one_request(self.async_engine, prompt, 1)
+        after = self.host_seconds()
+        split = {f"host_{key}_ms": (after[key] - before[key]) * 1e3 for key in after}
+        split["steps"] = self.async_engine.num_steps - steps_before
+        if runner.timeline is not None:
+            split["gpu_busy_ms"] = sum(t.busy_us for t in list(runner.timeline.steps)[timings_before:]) / 1e3
+        return trace, split
 
     async def __aexit__(self, *exc: object) -> None:
         await self.async_engine.stop()
@@ -147,19 +168,34 @@ async def ttft_workload(args, engine, tokenizer, vocab: int) -> dict:
     rng = random.Random(1)
     trials = [(random_tokens(rng, args.prefix_len, vocab), [random_tokens(rng, args.suffix_len, vocab) for _ in range(3)])
               for _ in range(args.ttft_trials)]
-    uncached, cached, cached_tokens = [], [], []
-    async with Scheduled(engine, tokenizer) as sched:
+    uncached, cached, cached_tiles, cached_tokens = [], [], [], []
+    splits: dict[str, list[dict]] = {"uncached": [], "cached": [], "cached_tiles": []}
+    scheduled = Scheduled(engine, tokenizer)
+    async with scheduled:
+        runner = scheduled.executor.runner
+        rows = runner.max_rows_per_chunk
         for prefix, suffixes in trials:
-            cold = await one_request(sched, prefix + suffixes[0], 1)
-            warm = await one_request(sched, prefix + suffixes[1], 1)
+            cold, split = await scheduled.timed_request(prefix + suffixes[0])
+            splits["uncached"].append(split)
+            warm, split = await scheduled.timed_request(prefix + suffixes[1])
+            splits["cached"].append(split)
+            runner.max_rows_per_chunk = 0  # the same hit with the chunk computed as one tile set
+            tiles, split = await scheduled.timed_request(prefix + suffixes[2])
+            runner.max_rows_per_chunk = rows
+            splits["cached_tiles"].append(split)
             uncached.append(cold.token_times[0] - cold.sent)
             cached.append(warm.token_times[0] - warm.sent)
+            cached_tiles.append(tiles.token_times[0] - tiles.sent)
             cached_tokens.append(warm.cached_tokens)
     result = {
         "prefix_len": args.prefix_len, "suffix_len": args.suffix_len, "trials": args.ttft_trials,
         "ttft_uncached_ms": summarize_ms(uncached), "ttft_cached_ms": summarize_ms(cached),
+        "ttft_cached_chunk_as_tiles_ms": summarize_ms(cached_tiles),
         "cached_tokens_per_request": cached_tokens,
         "ratio_uncached_over_cached_p50": summarize_ms(uncached)["p50"] / summarize_ms(cached)["p50"],
+        # Median over trials of each phase: what a request's TTFT is made of.
+        "breakdown_p50": {name: {key: statistics.median(s[key] for s in rows_) for key in rows_[0]}
+                          for name, rows_ in splits.items()},
     }
     if engine.kv_offload is not None and engine.kv_offload.num_host_blocks:
         result.update(await ttft_from_host(args, engine, tokenizer, vocab, trials))

@@ -9,11 +9,18 @@ chain attends to the request's cache up to position start + j, which is the
 causal mask of the chain, so verification runs through the same decode
 attention (and the same CUDA graphs) as a plain generation step.
 
+The same form serves short context chunks: a chunk of a few tokens after a
+long cached prefix (a prefix-cache hit, a short prompt, a resumed request)
+costs little more as rows than as one tile set, and as rows the whole step
+can replay a CUDA graph instead of launching every layer's kernels eagerly,
+which on a fast GPU is what a short step's time is made of.
+
 The target's runner and a draft model both pack their steps here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +55,38 @@ class PackedStep:
     @property
     def num_tokens(self) -> int:
         return len(self.positions)
+
+
+# Context chunks of at most this many tokens may attend as rows ...
+MAX_ROWS_PER_CHUNK = 64
+# ... while the rows' attention reads at most this many (row, context position) pairs in all: each
+# row reads its whole context, so a long chunk over a long prefix reads the cache many times over.
+ROW_ATTENTION_BUDGET = 1 << 17
+
+
+def short_chunks_as_rows(
+    segments: list[Segment],
+    fits: Callable[[int, int], bool],  # (rows, longest context) -> whether a graph replay can run them
+    max_rows_per_chunk: int = MAX_ROWS_PER_CHUNK,
+    budget: int = ROW_ATTENTION_BUDGET,
+) -> bool:
+    """Turn every multi-token segment into rows when all are short and the step then fits a graph.
+
+    All or nothing: one chunk left as a tile set keeps the whole step eager, and
+    then rows would only cost attention reads. Returns whether segments changed.
+    """
+    chunks = [seg for seg in segments if not seg.as_rows and seg.count > 1]
+    if not chunks or max_rows_per_chunk <= 0:
+        return False
+    if any(seg.count > max_rows_per_chunk for seg in chunks):
+        return False
+    if sum(seg.count * (seg.start + seg.count) for seg in chunks) > budget:
+        return False
+    if not fits(sum(seg.count for seg in segments), max(seg.start + seg.count for seg in segments)):
+        return False
+    for seg in chunks:
+        seg.as_rows = True
+    return True
 
 
 def pack(segments: list[Segment], tokens_per_block: int) -> PackedStep:

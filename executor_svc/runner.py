@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from executor_svc.engine import Engine
-from executor_svc.packed_forward import Segment, pack, run_packed, to_device
+from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK, Segment, pack, run_packed, short_chunks_as_rows, to_device
 from executor_svc.sampler import RequestSamplingState, Sampler
 from executor_svc.speculative.proposer import DraftRequest, build_proposer
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
@@ -111,6 +111,9 @@ class ModelRunner:
         self.max_draft_tokens = 0
         if self.proposer is not None:  # draft heads can guess no further than they have heads
             self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
+        # Short context chunks run as single-token rows when that makes the step a graph replay
+        # (packed_forward.short_chunks_as_rows); 0 keeps every chunk a tile set.
+        self.max_rows_per_chunk = MAX_ROWS_PER_CHUNK
         # GPU busy/idle per step, for the benchmarks' idle-time figure.
         self.timeline = StepTimeline(self.device) if self.device.type == "cuda" else None
         # Host seconds spent launching steps (inputs, kernel launches) and finishing them
@@ -362,6 +365,8 @@ class ModelRunner:
                 plain_tokens.append(len(tokens) - 1)
                 step.sampling_requests.append((request_id, state))
         step.num_tokens = len(tokens)
+        if self.engine.decode_graphs is not None:
+            short_chunks_as_rows(segments, self.engine.decode_graphs.fits, self.max_rows_per_chunk)
         packed = pack(segments, self.tokens_per_block)
         patch = self._device_tokens(from_device)
 
