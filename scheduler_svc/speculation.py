@@ -30,7 +30,9 @@ K = 0 turns speculation off; while it stays off, steps overlap again (the
 scheduler plans the next step before the last result is back), and a short
 probe every few dozen steps goes back to one step at a time, asks for drafts
 and verifies at least one per request, so the choice is re-measured and can
-come back when the load drops.
+come back when the load drops. A probe costs a few serial steps, so each one
+that leaves speculation off doubles the interval to the next (up to a few
+hundred steps); speculation turning on resets it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
 RECENT = 8  # measurements each step-size bucket keeps
-PROBE_EVERY = 32  # steps between probes while speculation is off
+PROBE_EVERY = 32  # steps between probes while speculation is off ...
+MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
 
 
@@ -133,6 +136,8 @@ class DraftLengthPolicy:
         self.executor_costs = StepCosts()  # the executor's own time per step
         self.last_k = max_draft_tokens
         self._steps = 0
+        self._probe_every = PROBE_EVERY
+        self._probe_start = PROBE_EVERY  # the step (as counted by choose) where the next probe begins
         self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
 
     def choose(self, candidates: list[Candidate], other_tokens: int) -> int:
@@ -157,6 +162,7 @@ class DraftLengthPolicy:
             estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly
                 best_k, best = k, goodput
+        self._schedule_probes(best_k)
         if best_k == 0 and self._probing():
             best_k = 1  # off, but probing: verify one draft so the cost of speculating is measured again
         if log.isEnabledFor(logging.DEBUG):
@@ -179,8 +185,16 @@ class DraftLengthPolicy:
                     return seconds
         return self.costs.step_seconds(num_tokens)
 
+    def _schedule_probes(self, best_k: int) -> None:
+        if best_k > 0:  # speculation pays: probe soon again once it stops paying
+            self._probe_every = PROBE_EVERY
+            self._probe_start = self._steps + self._probe_every
+        elif self._steps >= self._probe_start + PROBE_STEPS:  # a probe ended and left it off: wait longer
+            self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
+            self._probe_start = self._steps + self._probe_every
+
     def _probing(self) -> bool:
-        return self._steps % PROBE_EVERY < PROBE_STEPS
+        return self._probe_start <= self._steps < self._probe_start + PROBE_STEPS
 
     def drafts_to_propose(self) -> int:
         """Drafts to ask for the next step: room to grow by one, and occasional probes when off."""

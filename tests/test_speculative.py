@@ -182,6 +182,32 @@ def test_draft_length_follows_the_measured_step_cost():
     assert expected_accepted(0.5, 3) == pytest.approx(0.875)
 
 
+def test_probes_back_off_while_speculation_does_not_pay():
+    """Each probe that leaves speculation off doubles the wait to the next; speculation paying resets it."""
+    from scheduler_svc.speculation import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS
+
+    policy = DraftLengthPolicy(max_draft_tokens=4)
+    for tokens in (8, 16, 32, 64):  # compute-bound: K = 0 wins outside probes
+        policy.costs.observe(tokens, 0.010 * tokens / 8)
+    low = [Candidate(str(i), 4, 0.3) for i in range(8)]
+    probe_starts, was_probing = [], False
+    for step in range(2500):
+        k = policy.choose(low, 0)
+        assert k == (1 if policy._probing() else 0)  # a probe verifies one draft; otherwise off
+        if k and not was_probing:
+            probe_starts.append(step)
+        was_probing = bool(k)
+    gaps = [b - a for a, b in zip(probe_starts, probe_starts[1:])]
+    assert gaps[0] >= 2 * PROBE_EVERY and gaps == sorted(gaps) and max(gaps) <= MAX_PROBE_EVERY + PROBE_STEPS
+    assert len(probe_starts) < 2500 // PROBE_EVERY // 3  # far fewer serial probe steps than a fixed period
+    # Speculation paying again (memory-bound costs, high acceptance): probes come back to the short period.
+    for tokens in (8, 16, 32, 64):
+        for _ in range(8):
+            policy.costs.observe(tokens, 0.010)
+    assert policy.choose([Candidate(str(i), 4, 0.9) for i in range(8)], 0) == 4
+    assert policy._probe_every == PROBE_EVERY
+
+
 # -- end to end ------------------------------------------------------------------
 
 
