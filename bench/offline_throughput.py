@@ -283,6 +283,81 @@ def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+# --------------------------------------------------------------------------- split
+
+
+def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
+    """The scheduler's step loop in this process, the executor in its own, over the executor gRPC stream.
+
+    The in-process path runs both in one interpreter, whose lock they share; this
+    path keeps the scheduler's Python (planning, updates, streaming) and the
+    executor's (inputs, launches) from waiting on each other."""
+    import os
+    import signal
+    import subprocess
+
+    from scheduler_svc.api_types import GenerationRequest
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.executor_client import GrpcExecutorConnection
+    from scheduler_svc.tokenizer import Tokenizer
+
+    executor_port = free_port()
+    cmd = [
+        sys.executable, "-m", "inflight", "executor", "--model", str(engine_dir), "--device", args.device,
+        "--port", str(executor_port), "--kv-cache-fraction", str(args.kv_cache_fraction),
+        *(["--kv-cache-gb", str(args.split_kv_cache_gb)] if args.split_kv_cache_gb else []),
+        *(["--enforce-eager"] if args.enforce_eager else []),
+    ]
+    log_path = Path(args.server_log)
+    log(f"starting {' '.join(cmd)} (log {log_path})")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            async def main() -> None:
+                connection = GrpcExecutorConnection(f"127.0.0.1:{executor_port}", connect_timeout_s=2.0)
+                deadline = time.monotonic() + args.startup_timeout
+                while True:  # the executor is loading: wait for it, unless it died
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"executor exited: {log_path.read_text()[-3000:]}")
+                    try:
+                        await connection.info()
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                async_engine = AsyncEngine(connection, Tokenizer(engine_dir), EngineLimits(max_queue_size=1 << 20))
+                await async_engine.start()
+                try:
+                    async def submit(prompt: list[int], output_len: int):
+                        request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
+                        async for chunk in async_engine.generate(request):
+                            yield chunk.token_ids
+
+                    await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "split warm-up")
+                    for in_len, out_len in parse_scenarios(args.split_scenarios):
+                        count = args.num_requests if out_len <= 256 else args.num_requests_long
+                        prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
+                        before, steps = dict(async_engine.host_seconds), async_engine.num_steps
+                        scenario = await _run_requests(submit, prompts, out_len, f"split {in_len}/{out_len}")
+                        steps = async_engine.num_steps - steps
+                        scenario["steps"] = steps
+                        scenario["scheduler_host_ms_per_step"] = {
+                            k: (v - before[k]) * 1e3 / max(steps, 1) for k, v in async_engine.host_seconds.items()}
+                        result["split"][f"{in_len}x{out_len}"] = scenario
+                        log(f"split {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
+                finally:
+                    await async_engine.stop()
+
+            asyncio.run(main())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- peer
 
 
@@ -326,7 +401,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--scenarios", default="128x128,128x2048,2048x128,2048x2048", help="INPUTxOUTPUT,...")
     p.add_argument("--grpc-scenarios", default="128x128,2048x2048", help="scenarios also run through gRPC")
-    p.add_argument("--paths", default="inprocess,grpc")
+    p.add_argument("--split-scenarios", default="128x128",
+                   help="scenarios of the split path: this process schedules, an executor process runs the model")
+    p.add_argument("--split-kv-cache-gb", type=float, default=0.0,
+                   help="the split path's executor KV cache; 0 = its --kv-cache-fraction of what is free")
+    p.add_argument("--paths", default="inprocess,grpc", help="any of inprocess, split, grpc")
     p.add_argument("--no-overlap-scenarios", default="128x128", help="scenarios also run in-process without overlap")
     p.add_argument("--num-requests", type=int, default=1024, help="requests per scenario with short outputs")
     p.add_argument("--num-requests-long", type=int, default=512, help="requests per scenario with outputs > 256 tokens")
@@ -342,6 +421,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")
+    p.add_argument("--switch-interval-ms", type=float, default=0.0,
+                   help="the interpreter's thread switch interval (sys.setswitchinterval); 0 = Python's default (5 ms)")
     p.add_argument("--output", required=True)
     args = p.parse_args(argv)
     default_load_format(args)
@@ -350,10 +431,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.switch_interval_ms > 0:  # how long a thread waiting for the GIL waits before forcing a switch
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     result: dict = {
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "git": git_info(), "system": device_info(args.device), "model": args.shape or args.model,
-        "load_format": args.load_format, "inprocess": {}, "inprocess_no_overlap": {}, "grpc": {},
+        "load_format": args.load_format, "inprocess": {}, "inprocess_no_overlap": {}, "split": {}, "grpc": {},
     }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -369,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             save()
         if "inprocess" in paths:
             run_inprocess(args, engine_dir, config, result)
+            save()
+        if "split" in paths:
+            run_split(args, engine_dir, config, result)
             save()
         if "grpc" in paths:
             run_grpc(args, engine_dir, config, result)
