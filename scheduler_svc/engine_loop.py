@@ -53,10 +53,33 @@ class EngineLimits:
     adaptive_draft_length: bool = True  # draft length follows acceptance and load (off: always the most)
 
 
-@dataclass(slots=True)
 class _Stream:
-    queue: asyncio.Queue[GenerationChunk]
-    detokenizer: IncrementalDetokenizer
+    """One request's chunks on their way to its reader, and its detokenizer.
+
+    A list and, while the reader waits, one future to wake it: lighter than an
+    asyncio.Queue (no getter bookkeeping per chunk), and a reader that fell
+    behind takes everything that piled up at once.
+    """
+
+    __slots__ = ("chunks", "detokenizer", "_waiter")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        self.chunks: list[GenerationChunk] = []
+        self.detokenizer = detokenizer
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, chunk: GenerationChunk) -> None:
+        self.chunks.append(chunk)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():  # done: its reader was cancelled
+            waiter.set_result(None)
+
+    async def take(self) -> list[GenerationChunk]:
+        while not self.chunks:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        chunks, self.chunks = self.chunks, []
+        return chunks
 
 
 class AsyncEngine:
@@ -160,7 +183,7 @@ class AsyncEngine:
         if len(self.scheduler.waiting) >= self.limits.max_queue_size:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue_size={self.limits.max_queue_size})")
         self._streams[request.request_id] = _Stream(
-            asyncio.Queue(), IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stopping.stop)
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stopping.stop)
         )
         self.scheduler.add_request(request)
         self._wake.set()
@@ -172,11 +195,11 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                chunk = await stream.queue.get()
                 # A reader that fell behind gets what piled up as one chunk: under load
                 # that is fewer messages to send, and nothing is lost or reordered.
-                while chunk.finish_reason is None and not stream.queue.empty():
-                    chunk = _merge(chunk, stream.queue.get_nowait())
+                chunk, *later = await stream.take()
+                for following in later:  # a finished chunk is always the last
+                    chunk = _merge(chunk, following)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
@@ -212,13 +235,8 @@ class AsyncEngine:
             # (unless the load made it turn speculation off for now).
             overlap = not scheduler.config.max_draft_tokens or scheduler.draft_policy.allows_overlap()
             depth = 2 if self.limits.overlap_scheduling and overlap else 1
-            if len(in_flight) < depth and scheduler.has_work:
-                started = time.perf_counter()
-                plan = scheduler.schedule()
-                self.host_seconds["schedule"] += time.perf_counter() - started
-                if not plan.is_empty:
-                    in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started, bool(in_flight)))
-                    continue  # room for one more in flight? plan it now
+            if len(in_flight) < depth and scheduler.has_work and self._send_next(in_flight):
+                continue  # room for one more in flight? plan it now
             if not in_flight:
                 # Nothing to run (or nothing could be scheduled, e.g. the queue head waits
                 # for blocks that only a finishing request frees): wait for a change.
@@ -242,12 +260,28 @@ class AsyncEngine:
             # its planning (one step at a time, or after idling) to its result.
             period, last_result_at = started - max(last_result_at, planned_at), started
             updates = scheduler.update(result, period, overlapped)
-            applied = time.perf_counter()
+            self.host_seconds["update"] += time.perf_counter() - started
+            if len(in_flight) < depth and scheduler.has_work:
+                # The next plan goes out before this step's tokens are streamed, so the executor
+                # launches it while this thread detokenizes and wakes the readers: the plan needs
+                # this result's state, not its text. (A request that a stop string finishes below
+                # was planned once more; that step's output for it is dropped, as for a cancel.)
+                self._send_next(in_flight)
+            started = time.perf_counter()
             texts = self._detokenize(updates)
             for update in updates:
                 self._deliver(update, texts.get(update.request.request_id))
-            self.host_seconds["update"] += applied - started
-            self.host_seconds["deliver"] += time.perf_counter() - applied
+            self.host_seconds["deliver"] += time.perf_counter() - started
+
+    def _send_next(self, in_flight: deque) -> bool:
+        """Plan a step and send it; False when nothing could be scheduled."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()  # type: ignore[union-attr]
+        self.host_seconds["schedule"] += time.perf_counter() - started
+        if plan.is_empty:
+            return False
+        in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started, bool(in_flight)))
+        return True
 
     def _detokenize(self, updates: list[RequestUpdate]) -> dict[str, str]:
         """New text of every update with one new token (the common step), decoded in one batch."""
@@ -279,10 +313,10 @@ class AsyncEngine:
             reason = FinishReason.STOP
             self.scheduler.finish_request(request.request_id, reason)  # type: ignore[union-attr]
         if reason is None:
-            stream.queue.put_nowait(GenerationChunk(request.request_id, update.new_token_ids, text))
+            stream.put(GenerationChunk(request.request_id, update.new_token_ids, text))
             return
         text += detok.flush() if reason is not FinishReason.STOP else ""
-        stream.queue.put_nowait(
+        stream.put(
             GenerationChunk(
                 request.request_id, update.new_token_ids, text, finish_reason=reason,
                 usage=Usage(
