@@ -12,7 +12,11 @@ measures
     python bench/quant_accuracy.py --device cpu --output bench/results/cpu_quant_accuracy_smollm2.json
 
 Targets (from the design): W8A16 and FP8 within +0.1 perplexity, SmoothQuant
-and AWQ within +0.5.
+and AWQ within +0.5; an FP8 or INT8 KV cache (alone, or with FP8 weights)
+within +0.1 of the engine without it. A KV-cache mode's perplexity is measured
+through its 1-byte cache (the prompt's keys and values are quantized as they
+are written and read back by attention), and its greedy decoding reads them
+back at every step.
 """
 
 from __future__ import annotations
@@ -50,10 +54,14 @@ MODES = {
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN": {"quant_algo": "W8A8_SQ_PER_CHANNEL_PER_TOKEN"},
     "FP8": {"quant_algo": "FP8"},
     "FP8_STATIC": {"quant_algo": "FP8", "activation_scheme": "static"},
+    # KV-cache quantization: 16-bit weights with an FP8 / INT8 cache, and FP8 weights with an FP8 cache.
+    "FP8_KV": {"quant_algo": "none", "kv_cache_quant_algo": "FP8"},
+    "INT8_KV": {"quant_algo": "none", "kv_cache_quant_algo": "INT8"},
+    "FP8+FP8_KV": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
 }
 TARGETS = {
     "W8A16": 0.1, "FP8": 0.1, "FP8_STATIC": 0.1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN": 0.5, "W4A16_AWQ": 0.5,
-    "W4A16_RTN": 0.5,
+    "W4A16_RTN": 0.5, "FP8_KV": 0.1, "INT8_KV": 0.1, "FP8+FP8_KV": 0.1,
 }
 
 
@@ -77,8 +85,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def measure(engine_dir: Path, args: argparse.Namespace, eval_ids: list[list[int]], prompt_ids: list[list[int]]) -> dict:
     engine = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_bytes=256 << 20))
-    runner = PromptForward.create(
-        engine.model, engine.model_config, args.eval_max_tokens, engine.tokens_per_block, engine.device, engine.dtype
+    runner = PromptForward.create(  # through the engine's own KV-cache format
+        engine.model, engine.model_config, args.eval_max_tokens, engine.tokens_per_block, engine.device, engine.dtype,
+        engine.layout.dtype,
     )
     started = time.perf_counter()
     ppl, tokens = perplexity(runner, eval_ids, desc=engine_dir.name)
@@ -86,6 +95,8 @@ def measure(engine_dir: Path, args: argparse.Namespace, eval_ids: list[list[int]
     return {
         "perplexity": round(ppl, 4), "eval_tokens": tokens, "outputs": outputs,
         "engine_weights_mib": round((engine_dir / WEIGHTS_NAME).stat().st_size / 2**20, 1),
+        "kv_cache_dtype": str(engine.layout.dtype).removeprefix("torch."),
+        "kv_cache_bytes_per_token": engine.layout.bytes_per_block // engine.tokens_per_block,
         "measure_seconds": round(time.perf_counter() - started, 1),
     }
 
@@ -129,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             "perplexity": row["perplexity"], "perplexity_increase": increase,
             "target_max_increase": TARGETS[label], "meets_target": increase <= TARGETS[label],
             "greedy_agreement": agreement(base["outputs"], row["outputs"]),
-            "engine_weights_mib": row["engine_weights_mib"], "build_seconds": build_s,
+            "engine_weights_mib": row["engine_weights_mib"], "kv_cache_dtype": row["kv_cache_dtype"],
+            "kv_cache_bytes_per_token": row["kv_cache_bytes_per_token"], "build_seconds": build_s,
         }
         log(f"{label}: perplexity {row['perplexity']:.3f} ({increase:+.3f}), "
             f"greedy prefix match {results[label]['greedy_agreement']['prefix_match_fraction']}")
@@ -143,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": dtype,
         "settings": {k: v for k, v in vars(args).items() if k not in ("output", "work_dir")},
         "eval": {"texts": len(eval_ids), "tokens": base["eval_tokens"], "corpus": held_out_texts(0)[1]},
-        "unquantized": {"perplexity": base["perplexity"], "engine_weights_mib": base["engine_weights_mib"]},
+        "unquantized": {
+            "perplexity": base["perplexity"], "engine_weights_mib": base["engine_weights_mib"],
+            "kv_cache_dtype": base["kv_cache_dtype"], "kv_cache_bytes_per_token": base["kv_cache_bytes_per_token"],
+        },
         "modes": results,
     }
     text = json.dumps(report, indent=2)

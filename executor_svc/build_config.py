@@ -36,7 +36,7 @@ class QuantConfig:
     """How weights (and activations) are quantized; see executor_svc/quantization/."""
 
     quant_algo: str = "none"  # none, W8A16, W4A16_AWQ, W8A8_SQ_PER_CHANNEL_PER_TOKEN, FP8
-    kv_cache_quant_algo: str = "none"  # only "none" is implemented
+    kv_cache_quant_algo: str = "none"  # none, FP8 (E4M3) or INT8: a 1-byte KV cache with per-layer scales
     group_size: int = 128  # input channels per INT4 scale (W4A16_AWQ)
     smoothquant_alpha: float = 0.5  # migration strength: 0 = all on activations, 1 = all on weights
     activation_scheme: str = "dynamic"  # FP8 activation scales: per token at run time, or "static" per tensor
@@ -52,9 +52,19 @@ class QuantConfig:
     def quant_mode(self) -> QuantMode:
         return quant_mode_of(self.quant_algo, self.kv_cache_quant_algo, self.activation_scheme)
 
+    def describe(self) -> str:
+        """What is quantized: "FP8", "FP8 + INT8 KV cache", "FP8 KV cache", or "none"."""
+        parts = [self.quant_algo] if self.quant_algo != "none" else []
+        if self.kv_cache_quant_algo != "none":
+            parts.append(f"{self.kv_cache_quant_algo} KV cache")
+        return " + ".join(parts) or "none"
+
     @property
     def needs_calibration(self) -> bool:
-        """Whether building runs the unquantized model over calibration texts."""
+        """Whether the weight quantization needs input statistics from calibration texts.
+
+        (A quantized KV cache is always calibrated too, for its scales.)
+        """
         mode = self.quant_mode
         return QuantMode.AWQ in mode or QuantMode.SMOOTHQUANT in mode or (
             QuantMode.FP8_WEIGHTS in mode and self.activation_scheme == "static"
@@ -69,11 +79,6 @@ class QuantConfig:
             raise BuildConfigError(
                 f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not supported; "
                 f"choose one of {list(KV_CACHE_QUANT_ALGOS)}"
-            )
-        if self.kv_cache_quant_algo != "none":
-            raise BuildConfigError(
-                f"kv_cache_quant_algo {self.kv_cache_quant_algo!r}: KV-cache quantization is not implemented yet "
-                "(the attention kernels read a 16-bit cache); build with kv_cache_quant_algo 'none'"
             )
         if self.activation_scheme not in ACTIVATION_SCHEMES:
             raise BuildConfigError(f"activation_scheme {self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")

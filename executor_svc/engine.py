@@ -5,7 +5,10 @@ model with the kernels the builder chose, loads the prepared weights (or
 re-draws random ones for a dummy engine), and sizes the paged KV cache from a
 memory budget: an explicit number of bytes, or what is free on the GPU after
 the weights minus a reserve of ``1 - kv_cache_fraction`` of the card for
-activations (vLLM's gpu_memory_utilization idea).
+activations (vLLM's gpu_memory_utilization idea). An engine built with
+``kv_cache_quant_algo`` FP8 or INT8 stores the cache in 1-byte elements (twice
+the tokens for the same budget) and gets each layer's KV scales from its
+manifest.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from executor_svc.engine_file import WEIGHTS_NAME, EngineManifest, check_device,
 from executor_svc.kv_offload import KVOffload
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
+from executor_svc.quantization.kv_cache import apply_kv_cache_scales, kv_cache_dtype
+from executor_svc.quantization.records import KVCacheQuant
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 from kvcache.layout import KVCacheLayout
 
@@ -55,7 +60,7 @@ class Engine:
     layout: KVCacheLayout
     num_kv_blocks: int  # blocks the scheduler may hand out: ids 0 .. num_kv_blocks - 1
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the model; the KV cache's is layout.dtype (1-byte for an FP8 / INT8 cache)
     decode_graphs: DecodeGraphs | None = None  # captured generation steps (GPU only)
     kv_offload: KVOffload | None = None  # the host tier of the KV cache and its copies
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -124,14 +129,15 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
             raise RuntimeError(f"{engine_dir}: weights do not match the model (missing {missing}, unexpected {unexpected})")
 
     build = manifest.build_config
+    apply_kv_cache_scales(model, _kv_cache_record(manifest, engine_dir))
     layout = KVCacheLayout(
         num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        tokens_per_block=build.tokens_per_block, dtype=dtype,
+        tokens_per_block=build.tokens_per_block, dtype=kv_cache_dtype(build.quant_config.kv_cache_quant_algo, dtype),
     )
     budget = runtime.kv_cache_bytes or _default_kv_budget(device, runtime.kv_cache_fraction)
     # A draft model's cache has as many blocks as the target's: the budget pays for both.
     per_block = layout.bytes_per_block + (draft.layout.bytes_per_block if draft is not None else 0)
-    num_blocks = budget // per_block - 1  # one block of the budget is the scratch block
+    num_blocks = kv_pool_blocks(budget, per_block)
     if runtime.num_kv_blocks:
         num_blocks = runtime.num_kv_blocks
     min_blocks = -(-manifest.max_seq_len // build.tokens_per_block)
@@ -143,8 +149,9 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
         )
     kv_cache = layout.allocate(num_blocks + 1, device)  # + the scratch block
     log.info(
-        "engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.0f MiB)", model_config.name, device, manifest.dtype,
-        num_blocks, build.tokens_per_block, num_blocks * layout.bytes_per_block / 2**20,
+        "engine ready: %s on %s (%s), %d KV blocks x %d tokens (%.0f MiB, %s)", model_config.name, device,
+        manifest.dtype, num_blocks, build.tokens_per_block, num_blocks * layout.bytes_per_block / 2**20,
+        str(layout.dtype).removeprefix("torch."),
     )
     engine = Engine(engine_dir, manifest, model, kv_cache, layout, num_blocks, device, dtype)
     engine.speculative = runtime.speculative
@@ -164,6 +171,25 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
             draft.decode_graphs = _capture_graphs(draft)
         engine.draft = draft
     return engine
+
+
+def kv_pool_blocks(budget_bytes: int, bytes_per_block: int) -> int:
+    """Blocks the scheduler gets from a KV budget: one block of the budget is the scratch block."""
+    return budget_bytes // bytes_per_block - 1
+
+
+def _kv_cache_record(manifest: EngineManifest, engine_dir: Path) -> KVCacheQuant | None:
+    """The KV-cache scales an FP8 / INT8 engine was built with; None for a 16-bit cache."""
+    algo = manifest.build_config.quant_config.kv_cache_quant_algo
+    record = manifest.quantization.kv_cache if manifest.quantization is not None else None
+    if algo == "none":
+        return None
+    if record is None or record.algo != algo:
+        raise ValueError(
+            f"{engine_dir} is built for a {algo} KV cache but records no {algo} KV-cache scales; rebuild it: "
+            f"inflight build --model {manifest.source or 'MODEL'} --kv-cache-quant-algo {algo} --output {engine_dir}"
+        )
+    return record
 
 
 def _capture_graphs(engine: Engine) -> DecodeGraphs:

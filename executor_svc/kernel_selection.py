@@ -6,7 +6,8 @@ shaped like the model's, on the target device, and keeps the fastest; the
 timings go into the engine manifest so the choice can be read back and
 reproduced. A named kernel that cannot run is a build error, or with
 ``allow_fallback`` a loud warning and the reference implementation, recorded
-as a fallback.
+as a fallback. The rope and attention candidates are timed on a KV cache of
+the engine's cache dtype (1-byte for an FP8 / INT8 cache).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from executor_svc.build_config import PLUGIN_KINDS, BuildConfig
 from executor_svc.engine_file import PluginChoice
 from executor_svc.model.config import ModelConfig
+from executor_svc.quantization.kv_cache import kv_cache_dtype
 from plugins.attention_metadata import AttentionMetadata
 from plugins.registry import KernelSpec, list_kernels
 
@@ -50,6 +52,11 @@ def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
+    kv_dtype = kv_cache_dtype(build.quant_config.kv_cache_quant_algo, dtype)
+
+    def kv_randn(*shape: int) -> torch.Tensor:  # cache contents, in the cache's dtype
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=kv_dtype)
+
     hidden, heads, kv_heads, dim = model.hidden_size, model.num_heads, model.num_kv_heads, model.head_dim
     if kind == "rmsnorm":
         x, residual, weight = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
@@ -61,7 +68,7 @@ def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: 
         # Twice the slots the tokens need, scattered: requests' blocks are not contiguous in the pool.
         block = build.tokens_per_block
         num_blocks = 2 * -(-tokens // block)
-        k_cache, v_cache = randn(num_blocks, block, kv_heads, dim), randn(num_blocks, block, kv_heads, dim)
+        k_cache, v_cache = kv_randn(num_blocks, block, kv_heads, dim), kv_randn(num_blocks, block, kv_heads, dim)
         slots = torch.randperm(num_blocks * block, generator=gen)[:tokens].to(device)
         return lambda: (q, k, v, cos, sin, positions, k_cache, v_cache, slots)
     if kind == "activation":
@@ -71,16 +78,18 @@ def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: 
         x, w = randn(tokens, hidden), randn(heads * dim + 2 * kv_heads * dim, hidden)
         return lambda: (x, w)
     if kind == "attention":
-        return _attention_inputs(build, heads, kv_heads, dim, randn, device)
+        return _attention_inputs(build, heads, kv_heads, dim, randn, kv_randn, device)
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def _attention_inputs(build: BuildConfig, heads: int, kv_heads: int, dim: int, randn, device: torch.device) -> BenchArgs:
+def _attention_inputs(
+    build: BuildConfig, heads: int, kv_heads: int, dim: int, randn, kv_randn, device: torch.device
+) -> BenchArgs:
     """A generation step: min(max_batch_size, 16) requests with 512 cached tokens each."""
     block, batch, context = build.tokens_per_block, min(build.max_batch_size, 16), 512
     blocks_per_request = -(-context // block)
-    k_cache = randn(batch * blocks_per_request, block, kv_heads, dim)
-    v_cache = randn(batch * blocks_per_request, block, kv_heads, dim)
+    k_cache = kv_randn(batch * blocks_per_request, block, kv_heads, dim)
+    v_cache = kv_randn(batch * blocks_per_request, block, kv_heads, dim)
     tables = torch.arange(batch * blocks_per_request, device=device).view(batch, blocks_per_request)
     lens = torch.full((batch,), context, device=device)
     meta = AttentionMetadata(

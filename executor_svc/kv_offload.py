@@ -13,7 +13,9 @@ it is pinned, and the copies run on a side stream that starts after the work
 already queued (the previous forward wrote the blocks being swapped out) and
 that the compute stream waits for before this step's forward: the host thread
 never blocks on them. On the CPU it is ordinary memory and the copies are
-plain.
+plain. The host pool has the device cache's dtype (1-byte for an FP8 / INT8
+cache, so a host budget holds twice the blocks); an FP8 cache is copied
+through a uint8 view of the same bytes, since indexing ops lack FP8 kernels.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from kvcache.layout import KVCacheLayout
+from plugins.kv_cache_quant import as_bytes
 from protos.plan import BlockCopy
 
 
@@ -48,6 +51,9 @@ class KVOffload:
             torch.empty((num_host_blocks, *self.block_shape), dtype=kv_cache.dtype, pin_memory=on_cuda) if num_host_blocks else None
         )
         self._stream = torch.cuda.Stream(self.device) if on_cuda and num_host_blocks else None
+        # The tensors the copies index: the same memory, as bytes for FP8 (identity for other dtypes).
+        self._device_data = as_bytes(kv_cache)
+        self._host_data = as_bytes(self.host_cache) if self.host_cache is not None else None
 
     @staticmethod
     def blocks_for_budget(layout: KVCacheLayout, budget_bytes: int) -> int:
@@ -72,23 +78,23 @@ class KVOffload:
         compute.wait_stream(self._stream)  # this step's forward overwrites / reads those blocks
 
     def _swap_out(self, copies: Sequence[BlockCopy]) -> None:
-        assert self.host_cache is not None
+        assert self._host_data is not None
         for chunk in _chunks(copies, self.max_blocks_per_copy):
             index = torch.tensor([c.device_block for c in chunk], dtype=torch.int64, device=self.device)
             # blocks: [k, layers, 2, tokens_per_block, kv_heads, D], each block contiguous
-            blocks = self.kv_cache.index_select(2, index).movedim(2, 0).contiguous()
+            blocks = self._device_data.index_select(2, index).movedim(2, 0).contiguous()
             for i, copy in enumerate(chunk):  # in order: a slot written twice keeps the later block
-                self.host_cache[copy.host_slot].copy_(blocks[i], non_blocking=True)
+                self._host_data[copy.host_slot].copy_(blocks[i], non_blocking=True)
 
     def _swap_in(self, copies: Sequence[BlockCopy]) -> None:
-        assert self.host_cache is not None
+        assert self._host_data is not None
         for chunk in _chunks(copies, self.max_blocks_per_copy):
             # staged: [k, layers, 2, tokens_per_block, kv_heads, D]
-            staged = torch.empty((len(chunk), *self.block_shape), dtype=self.kv_cache.dtype, device=self.device)
+            staged = torch.empty((len(chunk), *self.block_shape), dtype=self._device_data.dtype, device=self.device)
             for i, copy in enumerate(chunk):
-                staged[i].copy_(self.host_cache[copy.host_slot], non_blocking=True)
+                staged[i].copy_(self._host_data[copy.host_slot], non_blocking=True)
             index = torch.tensor([c.device_block for c in chunk], dtype=torch.int64, device=self.device)
-            self.kv_cache.index_copy_(2, index, staged.movedim(0, 2))
+            self._device_data.index_copy_(2, index, staged.movedim(0, 2))
 
     def _check(self, copies: Sequence[BlockCopy], name: str) -> None:
         for copy in copies:

@@ -11,6 +11,7 @@ import torch
 
 from executor_svc.build_config import PLUGIN_KINDS, QUANT_PLUGIN_KINDS, BuildConfig, QuantConfig
 from executor_svc.engine_file import EngineManifest, EngineMismatchError, is_engine_dir, read_manifest
+from executor_svc.quantization.records import KVCacheQuant
 
 QUANT_DEFAULTS = QuantConfig()
 
@@ -20,7 +21,10 @@ def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
     from executor_svc.quantization.perplexity import PerplexityGate
 
     gate = PerplexityGate()
-    g = p.add_argument_group("quantization (--quant-algo W8A16 | W4A16_AWQ | W8A8_SQ_PER_CHANNEL_PER_TOKEN | FP8)")
+    g = p.add_argument_group(
+        "quantization (--quant-algo W8A16 | W4A16_AWQ | W8A8_SQ_PER_CHANNEL_PER_TOKEN | FP8, "
+        "--kv-cache-quant-algo FP8 | INT8)"
+    )
     g.add_argument(
         "--calib-data", default="", metavar="FILE", help="calibration texts, one per line (default: stdlib docstrings)"
     )
@@ -116,17 +120,32 @@ def format_summary(manifest: EngineManifest, engine_dir: Path) -> str:
         "kernels     " + ", ".join(f"{k}={c.name}{' (FALLBACK)' if c.fallback else ''}" for k, c in manifest.plugins.items()),
     ]
     record = manifest.quantization
+    if record is not None and record.kv_cache is not None:
+        lines.append(_kv_cache_line(record.kv_cache))
     if record is not None and record.calibration is not None:
         c = record.calibration
         lines.append(f"calibration {c.num_texts} texts, {c.num_tokens} tokens of {c.corpus}, {c.seconds:.1f} s")
     if record is not None and record.perplexity is not None:
         p = record.perplexity
         verdict = "passed" if p.passed else "FAILED"
+        what = manifest.build_config.quant_config.describe()
         lines.append(
-            f"perplexity  {p.baseline:.3f} unquantized -> {p.quantized:.3f} {record.quant_algo} ({p.increase:+.3f}, "
-            f"limit +{p.max_increase}, {verdict}) on {p.num_texts} texts, {p.num_tokens} tokens of {p.corpus}"
+            f"perplexity  {p.baseline:.3f} unquantized -> {p.quantized:.3f} {what} "
+            f"({p.increase:+.3f}, limit +{p.max_increase}, {verdict}) on {p.num_texts} texts, {p.num_tokens} tokens of "
+            f"{p.corpus}"
         )
     return "\n".join(lines)
+
+
+def _kv_cache_line(kv: KVCacheQuant) -> str:
+    """The 1-byte KV cache: format, the range of the per-layer scales, where they came from."""
+    def span(scales: list[float]) -> str:
+        return f"{min(scales):.3g}..{max(scales):.3g}"
+
+    return (
+        f"kv cache    {kv.algo} ({kv.dtype}), per-layer scales k {span(kv.k_scales)}, v {span(kv.v_scales)} "
+        f"({kv.num_layers} layers; {kv.source})"
+    )
 
 
 def _quant_line(manifest: EngineManifest) -> str:
@@ -175,6 +194,7 @@ def _layer_rows(manifest: EngineManifest) -> list[tuple[str, str, str]]:
 
 def format_layer_info(manifest: EngineManifest) -> str:
     lines = ["", "layers"]
+    kv_cache = manifest.quantization.kv_cache if manifest.quantization is not None else None
     for layer, kind, note in _layer_rows(manifest):
         if not kind:
             lines.append(f"  {layer:<40} [Embedding] torch ({manifest.dtype})")
@@ -182,6 +202,8 @@ def format_layer_info(manifest: EngineManifest) -> str:
         quant = manifest.quantization.layer(layer) if manifest.quantization is not None else None
         if quant is not None:
             kind, note = _quant_layer_row(quant, manifest.dtype, note)
+        if kind in ("attention", "rope") and kv_cache is not None:
+            note = ", ".join(filter(None, [note, _kv_cache_note(kv_cache, layer)]))
         choice = manifest.plugins[kind]
         fallback = f", FALLBACK from {choice.requested}" if choice.fallback else ""
         if quant is not None and quant.algo != "none":
@@ -196,6 +218,12 @@ def format_layer_info(manifest: EngineManifest) -> str:
         if choice.fallback:
             lines.append(f"  {'':<11} FALLBACK: {choice.note}")
     return "\n".join(lines)
+
+
+def _kv_cache_note(kv: KVCacheQuant, row_name: str) -> str:
+    """'kv cache float8_e4m3fn k_scale .. v_scale ..' for the rope / attention row of decoder layer N."""
+    index = int(row_name.split(".")[1])  # "layers.N.attention"
+    return f"kv cache {kv.dtype} k_scale {kv.k_scales[index]:.4g} v_scale {kv.v_scales[index]:.4g}"
 
 
 def _quant_layer_row(quant, dtype: str, shape: str) -> tuple[str, str]:

@@ -27,7 +27,10 @@ def add_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokens-per-block", type=int, default=32, help="tokens per KV-cache block")
     g.add_argument("--quant-algo", default="none",
                    help="none, W8A16, W4A16_AWQ, W8A8_SQ_PER_CHANNEL_PER_TOKEN or FP8 (see `inflight build --help`)")
-    g.add_argument("--kv-cache-quant-algo", default="none", help="none (INT8/FP8 KV cache: not implemented yet)")
+    g.add_argument(
+        "--kv-cache-quant-algo", default="none",
+        help="none, FP8 or INT8: a 1-byte KV cache (twice the tokens per byte) with calibrated per-layer scales",
+    )
     g.add_argument(
         "--plugin", action="append", default=[], metavar="KIND=NAME",
         help=f"implementation for a layer kind ({', '.join(PLUGIN_KINDS)}); default auto = fastest measured",

@@ -14,18 +14,28 @@ import torch
 import torch.nn.functional as F
 
 from plugins.attention_metadata import AttentionMetadata
+from plugins.kv_cache_quant import as_bytes, dequantize_kv, from_bytes, quantize_kv
 from plugins.registry import register_kernel
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values at their slots.
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> None:
+    """Store this step's keys/values at their slots (quantized with k_scale / v_scale for a 1-byte cache).
 
     k_cache, v_cache: [num_blocks, tokens_per_block, kv_heads, head_dim]
     k, v: [num_tokens, kv_heads, head_dim]; slot_mapping: [num_tokens]
     """
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    kv_heads = k.shape[1]
+    for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+        rows = as_bytes(quantize_kv(x, scale, cache.dtype))
+        as_bytes(cache).view(-1, kv_heads, rows.shape[-1]).index_copy_(0, slot_mapping, rows)
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for any cache dtype: [len(blocks), tokens_per_block, kv_heads, head_dim]."""
+    return from_bytes(as_bytes(cache).index_select(0, blocks), cache.dtype)
 
 
 @register_kernel("attention", "torch", description="reference: gather blocks + scaled_dot_product_attention")
@@ -36,17 +46,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int = 0,  # > 0: a query sees only the last `sliding_window` positions
+    k_scale: float = 1.0,  # a 1-byte cache holds k / k_scale; ignored for a 16-bit cache
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
     out = torch.empty_like(q)
     if meta.single_query_rows.numel():
         tables, token_idx, valid = _single_query_layout(meta, k_cache.shape[1], sliding_window)
         batch = tables.shape[0]
         # Gather each request's blocks: [B, max_blocks * tokens_per_block, kv_heads, D].
-        k = k_cache.index_select(0, tables.flatten()).view(batch, -1, *k_cache.shape[2:])
-        v = v_cache.index_select(0, tables.flatten()).view(batch, -1, *v_cache.shape[2:])
+        k = _gather_blocks(k_cache, tables.flatten()).view(batch, -1, *k_cache.shape[2:])
+        v = _gather_blocks(v_cache, tables.flatten()).view(batch, -1, *v_cache.shape[2:])
         qb = q.index_select(0, token_idx)[:, :, None, :]  # [B, heads, 1, D]
         ob = F.scaled_dot_product_attention(
-            qb, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            qb, dequantize_kv(k.transpose(1, 2), k_scale, q.dtype), dequantize_kv(v.transpose(1, 2), v_scale, q.dtype),
             attn_mask=valid, scale=scale, enable_gqa=True,
         )
         out.index_copy_(0, token_idx, ob[:, :, 0, :])
@@ -54,18 +66,19 @@ def paged_attention(
         start, end = meta.query_start[row], meta.query_start[row + 1]
         ctx, q_len = meta.context_lens[row], end - start
         table = meta.block_tables[row, : -(-ctx // k_cache.shape[1])]
-        k = k_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
-        v = v_cache.index_select(0, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+        k = _gather_blocks(k_cache, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]  # [1, kv_heads, ctx, D]
+        v = _gather_blocks(v_cache, table).flatten(0, 1)[:ctx].transpose(0, 1)[None]
+        k, v = dequantize_kv(k, k_scale, q.dtype), dequantize_kv(v, v_scale, q.dtype)
         qr = q[start:end].transpose(0, 1)[None]  # [1, heads, q_len, D]
         if ctx == q_len and sliding_window <= 0:  # a whole prompt: plain causal attention
-            o = F.scaled_dot_product_attention(qr, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:  # a chunk after cached tokens (or a window): query i sits at ctx - q_len + i
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
             key_pos = torch.arange(ctx, device=q.device)[None, :]
             mask = key_pos <= q_pos  # [q_len, ctx]
             if sliding_window > 0:
                 mask &= key_pos > q_pos - sliding_window
-            o = F.scaled_dot_product_attention(qr, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
 

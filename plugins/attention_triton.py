@@ -10,7 +10,8 @@ Two kernels behind one entry point:
   launch, in ``attention_triton_context.py``.
 
 Both accumulate in float32 and support head dims up to 128, any GQA ratio and
-any tokens_per_block. Registered for CUDA; tests also run the kernels on the
+any tokens_per_block, over a 16-bit cache or a 1-byte one (FP8 or INT8 with
+per-layer K and V scales). Registered for CUDA; tests also run the kernels on the
 CPU through Triton's interpreter (TRITON_INTERPRET=1) on small shapes.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from plugins.attention_metadata import AttentionMetadata
+from plugins.kv_cache_quant import check_kv_cache_support
 from plugins.registry import register_kernel
 
 try:
@@ -42,6 +44,9 @@ def check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         )
     if heads % kv_heads:
         raise ValueError(f"triton attention needs heads ({heads}) to be a multiple of kv_heads ({kv_heads})")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must share one dtype")
+    check_kv_cache_support(k_cache.dtype, k_cache.device)
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
                          f"[num_blocks, tokens_per_block, kv_heads, {head_dim}]")
@@ -72,6 +77,8 @@ if triton is not None:
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int = 0,  # > 0: a query sees only the last `sliding_window` positions
+        k_scale: float = 1.0,  # a 1-byte cache holds k / k_scale; ignored for a 16-bit cache
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, heads, head_dim]
         check_shapes(q, k_cache, v_cache)
         if q.stride(-1) != 1:
@@ -81,8 +88,9 @@ if triton is not None:
         if meta.single_query_rows.numel():  # a shape, not a value: graph-safe
             decode_attention(
                 q, k_cache, v_cache, meta, scale, sliding_window, out,
-                decode_tiles(head_dim, q.dtype), num_sms(q.device),
+                decode_tiles(head_dim, q.dtype), num_sms(q.device), k_scale, v_scale,
             )
         if meta.multi_query_rows:
-            context_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, context_tiles(head_dim, q.dtype))
+            tiles = context_tiles(head_dim, q.dtype)
+            context_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, tiles, k_scale, v_scale)
         return out

@@ -12,6 +12,9 @@ Query ``i`` of a request with ``q_len`` queries and ``ctx`` cached tokens (this
 step's included) sits at position ``ctx - q_len + i`` and sees keys up to that
 position (and, with a sliding window, only the last ``window`` of them). Key
 tiles that every row of the query tile sees in full skip the masking.
+
+A 1-byte cache is read as in the decode kernel: widened exactly, the K scale
+folded into the softmax scale and the V scale into the output.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import triton
 import triton.language as tl
 
 from plugins.attention_metadata import AttentionMetadata
-from plugins.attention_triton_decode import LOG2_E, _dot, dot_mode
+from plugins.attention_triton_decode import LOG2_E, _dot, _load_kv, dot_mode
+from plugins.kv_cache_quant import kv_quant_code
 
 TILE_FIELDS = 5  # per query tile: request row, first query token, query length, context length, first query of the tile
 
@@ -79,7 +83,7 @@ def _attend_tile(
     acc, l_i, m_i, q, k_ptr, v_ptr, table, n0, q_pos, ctx, kv_head, qk_scale,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     offs_d, d_mask, BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
-    WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_MODE: tl.constexpr,
+    WINDOW: tl.constexpr, MASKED: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """One key tile [n0, n0 + BLOCK_N) folded into the online softmax of every row."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -91,10 +95,10 @@ def _attend_tile(
         block = tl.load(table + offs_n // TOKENS_PER_BLOCK).to(tl.int64)
         kv_mask = d_mask[None, :]
     offset = offs_n % TOKENS_PER_BLOCK
-    k = tl.load(
+    k = _load_kv(
         k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-        mask=kv_mask, other=0.0,
-    ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        kv_mask, q.dtype, KV_QUANT,
+    )  # [BLOCK_N, BLOCK_D]
     qk = _dot(q, tl.trans(k), DOT_MODE) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         visible = offs_n[None, :] <= q_pos[:, None]
@@ -107,22 +111,22 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(qk - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
+    v = _load_kv(
         v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-        mask=kv_mask, other=0.0,
-    ).to(q.dtype)
+        kv_mask, q.dtype, KV_QUANT,
+    )
     acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
     return acc, l_i, m_new
 
 
 @triton.jit
 def _context_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, tables_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, out_ptr, tiles_ptr, tables_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
-    WINDOW: tl.constexpr, DOT_MODE: tl.constexpr, FIELDS: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_MODE: tl.constexpr, FIELDS: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     tile = tiles_ptr + tl.program_id(0) * FIELDS
     kv_head = tl.program_id(1)
@@ -167,22 +171,24 @@ def _context_kernel(
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_ptr, v_ptr, table, n0, q_pos, ctx, kv_head, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            BLOCK_N, TOKENS_PER_BLOCK, WINDOW, True, DOT_MODE,
+            BLOCK_N, TOKENS_PER_BLOCK, WINDOW, True, DOT_MODE, KV_QUANT,
         )
     for n0 in range(full_lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_ptr, v_ptr, table, n0, q_pos, ctx, kv_head, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            BLOCK_N, TOKENS_PER_BLOCK, WINDOW, False, DOT_MODE,
+            BLOCK_N, TOKENS_PER_BLOCK, WINDOW, False, DOT_MODE, KV_QUANT,
         )
     for n0 in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, k_ptr, v_ptr, table, n0, q_pos, ctx, kv_head, qk_scale,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, offs_d, d_mask,
-            BLOCK_N, TOKENS_PER_BLOCK, WINDOW, True, DOT_MODE,
+            BLOCK_N, TOKENS_PER_BLOCK, WINDOW, True, DOT_MODE, KV_QUANT,
         )
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_QUANT != 0:  # the values were summed as stored: scale the weighted sum once
+        o = o * v_scale
     tl.store(
         out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :],
@@ -198,6 +204,8 @@ def context_attention(
     sliding_window: int,
     out: torch.Tensor,  # [num_tokens, heads, head_dim]; the multi-query rows are written
     tiles: ContextTiles,
+    k_scale: float = 1.0,  # scales of a 1-byte cache; ignored for a 16-bit one
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of every multi-token query in ``meta``, in one launch, written into ``out``."""
     heads, head_dim = q.shape[1], q.shape[2]
@@ -206,12 +214,16 @@ def context_attention(
     block_m = max(tiles.block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     query_tile_table = query_tiles(meta, block_q, q.device)
+    kv_quant = kv_quant_code(k_cache.dtype)
+    if not kv_quant:
+        k_scale = v_scale = 1.0
     _context_kernel[(query_tile_table.shape[0], kv_heads)](
-        q, k_cache, v_cache, out, query_tile_table, meta.block_tables, scale * LOG2_E,
+        q, k_cache, v_cache, out, query_tile_table, meta.block_tables, scale * LOG2_E * k_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
-        DOT_MODE=dot_mode(q.dtype), FIELDS=TILE_FIELDS, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        DOT_MODE=dot_mode(q.dtype), FIELDS=TILE_FIELDS, KV_QUANT=kv_quant,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -11,6 +11,11 @@ Everything the host decides (grid, number of splits, scratch sizes) comes from
 tensor shapes only, never from context-length values, so the launch can be
 captured in a CUDA graph: a row whose context is shorter than the padded table
 simply leaves its last splits empty, and the merge gives empty splits zero weight.
+
+A 1-byte cache (FP8 or INT8) is read as it is stored, widened exactly to the
+query's dtype, and its per-layer scales are folded in where they cost nothing:
+the K scale into the softmax scale (q . k = k_scale * (q . k_stored)) and the
+V scale into the output (one multiply per row instead of one per key).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import triton
 import triton.language as tl
 
 from plugins.attention_metadata import AttentionMetadata
+from plugins.kv_cache_quant import kv_quant_code
 
 LOG2_E = 1.4426950408889634
 
@@ -94,15 +100,24 @@ def _dot(a, b, DOT_MODE: tl.constexpr):
 
 
 @triton.jit
+def _load_kv(ptrs, mask, DTYPE: tl.constexpr, KV_QUANT: tl.constexpr):
+    """A K or V tile in DTYPE: 1-byte values widened through float32 (exact, the scale comes later)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if KV_QUANT != 0:
+        x = x.to(tl.float32)
+    return x.to(DTYPE)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     rows_ptr, tokens_ptr, tables_ptr, lens_ptr,
-    qk_scale, split_len, num_splits, num_heads,
+    qk_scale, v_scale, split_len, num_splits, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -136,26 +151,28 @@ def _decode_split_kernel(
         block = tl.load(table + offs_n // TOKENS_PER_BLOCK, mask=n_mask, other=0).to(tl.int64)
         offset = offs_n % TOKENS_PER_BLOCK
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
+        k = _load_kv(
             k_ptr + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        qk = _dot(q, tl.trans(k), DOT_MODE) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+            kv_mask, q.dtype, KV_QUANT,
+        )  # [BLOCK_N, BLOCK_D]
+        qk = _dot(q, tl.trans(k), DOT_MODE) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain (k_scale folded in)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # Every iteration has at least one valid key, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
+        v = _load_kv(
             v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)
+            kv_mask, q.dtype, KV_QUANT,
+        )
         acc = acc * alpha[:, None] + _dot(p.to(q.dtype), v, DOT_MODE)
         m_i = m_new
 
     seen = l_i > 0.0  # False for an empty split (or a padding row with no context)
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if KV_QUANT != 0:  # the values were summed as stored: scale the weighted sum once
+        o = o * v_scale
     store_mask = head_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:  # the one split is the answer: no merge kernel
         tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -203,6 +220,8 @@ def decode_attention(
     out: torch.Tensor,  # [num_tokens, heads, head_dim]; the single-query rows are written
     tiles: DecodeTiles,
     num_sms: int,
+    k_scale: float = 1.0,  # scales of a 1-byte cache; ignored for a 16-bit one
+    v_scale: float = 1.0,
 ) -> None:
     """Attention of every single-token query in ``meta``, written into ``out``."""
     rows, tokens = meta.single_query_rows, meta.single_query_tokens
@@ -219,16 +238,19 @@ def decode_attention(
     part_o = q.new_empty((1,) if single else (batch, heads, num_splits, head_dim), dtype=torch.float32)
     part_lse = q.new_empty((1,) if single else (batch, heads, num_splits), dtype=torch.float32)
     block_d = triton.next_power_of_2(head_dim)
+    kv_quant = kv_quant_code(k_cache.dtype)
+    if not kv_quant:
+        k_scale = v_scale = 1.0
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         rows, tokens, meta.block_tables, meta.context_lens_t,
-        scale * LOG2_E, split_len, num_splits, heads,
+        scale * LOG2_E * k_scale, v_scale, split_len, num_splits, heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
-        SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype),
+        SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype), KV_QUANT=kv_quant,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     if not single:

@@ -93,13 +93,16 @@ def rope_and_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [tokens] int64: flat cache slot of each token
     style: str = "neox",
+    k_scale: float = 1.0,  # a 1-byte cache stores k / k_scale (see kv_cache_quant.py); 16-bit caches ignore it
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [tokens, heads, head_dim]: the rotated q
     """Rotate q and k, store the rotated k and v at their cache slots, return the rotated q.
 
     The kernel kind is rotation and cache write together because a fused
     kernel does both in one pass over k; this reference runs them one after
-    the other.
+    the other. A 1-byte cache gets the rotated k (rounded to q's dtype first,
+    as a 16-bit cache would hold it) and v quantized with the layer's scales.
     """
     q, k = apply_rope(q, k, cos_table, sin_table, positions, style)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     return q

@@ -59,7 +59,7 @@ def test_invalid_build_configs_are_rejected():
         (BuildConfig(plugin_config={"softmax": "torch"}), "unknown plugin kinds"),
         (BuildConfig(dtype="float8"), "dtype"),
         (BuildConfig(quant_config=QuantConfig("INT2")), "quant_algo"),
-        (BuildConfig(quant_config=QuantConfig(kv_cache_quant_algo="FP8")), "kv_cache_quant_algo"),
+        (BuildConfig(quant_config=QuantConfig(kv_cache_quant_algo="FP4")), "kv_cache_quant_algo"),
     ]:
         with pytest.raises(BuildConfigError, match=field):
             bad.validate()

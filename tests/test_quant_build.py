@@ -134,10 +134,12 @@ def test_cli_gate_fails_the_build_and_writes_nothing(model_dir, tmp_path, capsys
     assert not out.exists()
 
 
-def test_cli_rejects_kv_cache_quantization(model_dir, tmp_path, capsys):
+def test_cli_rejects_an_unknown_kv_cache_format(model_dir, tmp_path, capsys):
     out = tmp_path / "kv"
-    status = cli_main(["build", "--model", str(model_dir), "--output", str(out), "--kv-cache-quant-algo", "FP8"])
-    assert status == 2 and "KV-cache quantization is not implemented yet" in capsys.readouterr().err
+    status = cli_main(["build", "--model", str(model_dir), "--output", str(out), "--kv-cache-quant-algo", "FP4"])
+    err = capsys.readouterr().err
+    assert status == 2 and "kv_cache_quant_algo 'FP4' is not supported; choose one of ['none', 'INT8', 'FP8']" in err
+    assert not out.exists()
 
 
 def test_dummy_engine_is_quantized_at_load(model_dir, tmp_path):

@@ -26,6 +26,14 @@ def test_each_algorithm_maps_to_a_valid_mode():
     assert quant_mode_of("FP8", activation_scheme="static") == Q.FP8_WEIGHTS | Q.ACTIVATIONS  # no per-token bit
 
 
+def test_every_weight_format_combines_with_each_kv_cache_format():
+    for algo in QUANT_ALGOS:
+        for kv in ("INT8", "FP8"):
+            quant = QuantConfig(algo, kv_cache_quant_algo=kv)
+            BuildConfig(quant_config=quant).validate()
+            assert quant.quant_mode.has_kv_cache_quant and quant.describe().endswith(f"{kv} KV cache")
+
+
 def test_derived_properties():
     assert quant_mode_of("W8A16").is_weight_only and quant_mode_of("W4A16_AWQ").is_weight_only
     assert not quant_mode_of("FP8").is_weight_only and not quant_mode_of("none").is_weight_only
@@ -56,8 +64,8 @@ def test_invalid_combinations_are_rejected(mode, message):
 
 @pytest.mark.parametrize("quant, message", [
     (QuantConfig("W3A16"), "quant_algo 'W3A16' is not supported"),
-    (QuantConfig(kv_cache_quant_algo="INT8"), "KV-cache quantization is not implemented yet"),
-    (QuantConfig("FP8", kv_cache_quant_algo="FP8"), "KV-cache quantization is not implemented yet"),
+    (QuantConfig(kv_cache_quant_algo="fp8"), "kv_cache_quant_algo 'fp8' is not supported"),
+    (QuantConfig("W4A8", kv_cache_quant_algo="FP8"), "quant_algo 'W4A8' is not supported"),
     (QuantConfig(kv_cache_quant_algo="INT4"), "kv_cache_quant_algo 'INT4' is not supported"),
     (QuantConfig("W8A16", activation_scheme="static"), "'static' applies to FP8 only; 'W8A16' quantizes no"),
     (QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", activation_scheme="static"), "per-token activation scales"),

@@ -43,6 +43,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.is_sliding = layer_type == SLIDING
         self.sliding_window = config.sliding_window if self.is_sliding else 0  # 0: attend to everything
         self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.k_scale, self.v_scale = 1.0, 1.0  # KV-cache scales, as in llama.DecoderLayer
         self.activation = ACTIVATIONS[config.hidden_act]
         self.input_layernorm = RMSNorm(hidden, eps, kernels, weight_offset=1.0)
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, kernels)
@@ -75,8 +76,10 @@ class Gemma3DecoderLayer(nn.Module):
         q = self.q_norm(q.reshape(-1, dim))[0].view(tokens, self.num_heads, dim)
         k = self.k_norm(k.reshape(-1, dim))[0].view(tokens, self.num_kv_heads, dim)
         v = v.view(tokens, self.num_kv_heads, dim)
-        q = rotary(q, k, v, positions, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        attn = self.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        q = rotary(q, k, v, positions, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+        attn = self.attention(
+            q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.k_scale, self.v_scale
+        )
         h = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)))[0]
         h, residual = self.pre_feedforward_layernorm(h, residual)  # residual += attention output
         h = self.down_proj(self.act_and_mul(self.gate_up_proj(h), self.activation))

@@ -68,9 +68,13 @@ class RotaryEmbedding(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks, tokens_per_block, kv_heads, D]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [tokens]
+        k_scale: float = 1.0,  # the layer's KV-cache scales (used by a 1-byte cache only)
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [tokens, heads, D]
         """Rotate q and k, store the rotated k and v at their cache slots; returns the rotated q."""
-        return self.kernel(q, k, v, self.cos, self.sin, positions, k_cache, v_cache, slot_mapping, "neox")
+        return self.kernel(
+            q, k, v, self.cos, self.sin, positions, k_cache, v_cache, slot_mapping, "neox", k_scale, v_scale
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -88,6 +92,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, kernels)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, kernels)
         self.scale = config.head_dim**-0.5
+        # KV-cache scales of this layer: a 1-byte cache stores k / k_scale and v / v_scale. Set once
+        # when an FP8 / INT8 engine loads (plain floats: CUDA graphs keep them as kernel arguments).
+        self.k_scale, self.v_scale = 1.0, 1.0
         # Mistral-style sliding window on every layer (0 = full attention).
         self.sliding_window = config.sliding_window
         self.attention = kernels.attention
@@ -110,8 +117,10 @@ class DecoderLayer(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q = rotary(q, k, v, positions, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        attn = self.attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        q = rotary(q, k, v, positions, kv_cache[0], kv_cache[1], meta.slot_mapping, self.k_scale, self.v_scale)
+        attn = self.attention(
+            q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.k_scale, self.v_scale
+        )
         h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)), residual)
         return self.down_proj(self.act_and_mul(self.gate_up_proj(h), "silu")), residual
 

@@ -16,6 +16,7 @@ records in ``engine.json``.
     calibration.py    per-layer input activation statistics via forward hooks
     awq.py            activation-aware INT4 scale search
     smoothquant.py    SmoothQuant migration factors and norm folding
+    kv_cache.py       FP8 / INT8 KV cache: cache dtype, per-layer K and V scales from calibration
     quantizer.py      build time: quantize a loaded model; load time: rebuild the modules
     kernel_choice.py  timing the quantized GEMM plugins at build time
     perplexity.py     perplexity and the accuracy gate of ``inflight build --validate``

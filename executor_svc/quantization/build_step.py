@@ -3,12 +3,18 @@
 Runs on the loaded unquantized model (in the engine's dtype), in place:
 
 1. plan: which Linear gets what (exclude_modules keeps some in high precision);
-2. calibrate (AWQ, SmoothQuant, static FP8): run the model over calibration
-   texts and record each planned layer's input statistics;
+2. calibrate (AWQ, SmoothQuant, static FP8, and an FP8 / INT8 KV cache): run
+   the model over calibration texts and record each planned layer's input
+   statistics, and each decoder layer's largest key and value: the KV-cache scales;
 3. with ``--validate``: the unquantized model's perplexity on held-out texts;
 4. swap the planned layers for quantized modules;
 5. with ``--validate``: the quantized model's perplexity on the same texts,
-   and the gate: an increase past ``max_increase`` fails the build.
+   through a quantized KV cache when there is one, and the gate: an increase
+   past ``max_increase`` fails the build.
+
+An engine of random weights (``--load-format dummy``) is quantized at load,
+but its KV-cache scales are found here: the weights the engine will load with
+(drawn from a fixed seed) are drawn now and calibrated on random token ids.
 """
 
 from __future__ import annotations
@@ -22,9 +28,13 @@ from torch import nn
 
 from executor_svc.build_config import BuildConfig
 from executor_svc.model.config import ModelConfig
+from executor_svc.model.weights import init_dummy_weights
 from executor_svc.quantization.calibration import calibrate
 from executor_svc.quantization.corpus import calibration_texts, encode_texts, held_out_texts
 from executor_svc.quantization.forward import PromptForward
+from executor_svc.quantization.kv_cache import (
+    apply_kv_cache_scales, kv_cache_dtype, kv_cache_record, random_token_lists,
+)
 from executor_svc.quantization.layer_plan import plan_layers
 from executor_svc.quantization.perplexity import AccuracyGateError, PerplexityGate, perplexity
 from executor_svc.quantization.quant_mode import QuantMode
@@ -44,20 +54,23 @@ def quantize_for_build(
     """Quantize ``model`` in place as ``build.quant_config`` says; the record for engine.json.
 
     ``plugin_names``: kind -> the implementation chosen for it. Without
-    ``real_weights`` (a dummy engine) only the plan is made: the engine is
-    quantized at load, after its random weights are drawn. None when there is
-    nothing to record (no quantization, no validation). Raises
-    AccuracyGateError when the validated perplexity increase is too large.
+    ``real_weights`` (a dummy engine) only the plan and the KV-cache scales are
+    made: the weights are quantized at load, after its random weights are
+    drawn. None when there is nothing to record (no quantization, no
+    validation). Raises AccuracyGateError when the validated perplexity
+    increase is too large.
     """
     config = build.quant_config
     mode = config.quant_mode
-    if not mode.quantizes_weights and validation is None:
+    if not mode.quantizes_weights and not mode.has_kv_cache_quant and validation is None:
         return None
     record = QuantizationRecord(config.quant_algo, config.kv_cache_quant_algo, int(mode), mode.flag_names())
     record.layers = plan_layers(model, config, model_config.num_layers, dtype_name)
     if not real_weights:
         for layer in record.layers:
             layer.note = layer.note or ("random weights, quantized at load" if layer.algo != "none" else "")
+        if mode.has_kv_cache_quant:
+            _calibrate_random_kv_cache(model, record, model_config, build, max_seq_len, device, dtype, progress)
         return record
     kernels = quantized_kernels(record.layers, plugin_names, device, dtype)
     planned = {layer.name: model.get_submodule(layer.name) for layer in record.layers if layer.algo != "none"}
@@ -65,14 +78,19 @@ def quantize_for_build(
     runner = PromptForward.create(model, model_config, max_tokens, build.tokens_per_block, device, dtype)
 
     stats = None
-    if planned and config.needs_calibration:
+    calibrate_weights = bool(planned) and config.needs_calibration
+    if calibrate_weights or mode.has_kv_cache_quant:
         started = time.perf_counter()
         texts, corpus = calibration_texts(config.calib_data, config.calib_size)
         token_lists = encode_texts(checkpoint, texts, min(config.calib_max_tokens, max_seq_len))
         samples = AWQ_SAMPLE_ROWS if QuantMode.AWQ in mode else 0
-        stats = calibrate(runner, planned, token_lists, samples, progress)
+        hooked = planned if calibrate_weights else {}
+        stats = calibrate(runner, hooked, token_lists, samples, progress, kv_cache=mode.has_kv_cache_quant)
         seconds = round(time.perf_counter() - started, 2)
         record.calibration = CalibrationReport(corpus, stats.num_texts, stats.num_tokens, seconds)
+        if stats.kv_amax is not None:
+            source = f"max |k| after RoPE and |v| over {stats.num_texts} texts of {corpus}"
+            record.kv_cache = kv_cache_record(config.kv_cache_quant_algo, stats.kv_amax, source)
         log.info("calibrated on %d texts, %d tokens of %s", stats.num_texts, stats.num_tokens, corpus)
 
     if validation is None:
@@ -83,22 +101,51 @@ def quantize_for_build(
     baseline, num_tokens = perplexity(runner, held_out, "perplexity (unquantized)", progress)
     quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)
     del stats  # the AWQ samples are the largest thing calibration keeps
-    quantized = perplexity(runner, held_out, f"perplexity ({config.quant_algo})", progress)[0] if planned else baseline
+    quantized = baseline
+    if planned or record.kv_cache is not None:
+        if record.kv_cache is not None:  # score through the engine's own cache: quantized on write, read back
+            apply_kv_cache_scales(model, record.kv_cache)
+            kv_dtype = kv_cache_dtype(config.kv_cache_quant_algo, dtype)
+            runner = PromptForward.create(
+                model, model_config, max_tokens, build.tokens_per_block, device, dtype, kv_dtype
+            )
+        quantized = perplexity(runner, held_out, f"perplexity ({config.describe()})", progress)[0]
     record.perplexity = PerplexityReport(
         corpus, len(held_out), num_tokens, baseline, quantized, validation.max_increase
     )
-    _check_gate(record.perplexity, config.quant_algo)
+    _check_gate(record.perplexity, config.describe())
     return record
 
 
-def _check_gate(report: PerplexityReport, quant_algo: str) -> None:
+def _calibrate_random_kv_cache(
+    model: nn.Module, record: QuantizationRecord, model_config: ModelConfig, build: BuildConfig, max_seq_len: int,
+    device: torch.device, dtype: torch.dtype, progress: bool,
+) -> None:
+    """KV-cache scales of a dummy engine: its load-time random weights, over random token ids."""
+    config = build.quant_config
+    started = time.perf_counter()
+    init_dummy_weights(model)  # the same seed as load: these are the weights the engine will run
+    length = min(config.calib_max_tokens, max_seq_len)
+    token_lists = random_token_lists(model_config.vocab_size, config.calib_size, length)
+    runner = PromptForward.create(model, model_config, length, build.tokens_per_block, device, dtype)
+    stats = calibrate(runner, {}, token_lists, progress=progress, kv_cache=True)
+    corpus = "random token ids (random weights)"
+    record.calibration = CalibrationReport(
+        corpus, stats.num_texts, stats.num_tokens, round(time.perf_counter() - started, 2)
+    )
+    record.kv_cache = kv_cache_record(
+        config.kv_cache_quant_algo, stats.kv_amax, f"max |k| after RoPE and |v| over {stats.num_texts} {corpus}"
+    )
+
+
+def _check_gate(report: PerplexityReport, what: str) -> None:
     log.info(
         "perplexity %.3f -> %.3f (%+.3f, limit %+.3f)", report.baseline, report.quantized, report.increase,
         report.max_increase,
     )
     if not report.passed:
         raise AccuracyGateError(
-            f"{quant_algo} raises perplexity from {report.baseline:.3f} to {report.quantized:.3f} "
+            f"{what} raises perplexity from {report.baseline:.3f} to {report.quantized:.3f} "
             f"(+{report.increase:.3f}) on {report.num_texts} held-out texts, more than the allowed "
             f"{report.max_increase}; keep more layers in high precision (--exclude-modules), calibrate on more or "
             "closer text (--calib-data, --calib-size), choose a gentler algorithm, or raise --max-ppl-increase"

@@ -3,7 +3,9 @@
 Forward hooks on the Linear modules to be quantized collect, per layer and per
 input channel, the largest |x| (SmoothQuant's migration factors) and the mean
 |x| (AWQ's salience), the largest |x| over the whole tensor (static FP8
-scales), and a few input rows per text for the AWQ search to replay.
+scales), and a few input rows per text for the AWQ search to replay. For a
+quantized KV cache, the largest |k| (after RoPE) and |v| each decoder layer
+wrote to the runner's 16-bit cache is read back after every text.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 from executor_svc.quantization.forward import PromptForward
+from executor_svc.quantization.kv_cache import KVAmax
 
 
 @dataclass(slots=True)
@@ -39,6 +42,7 @@ class CalibrationStats:
     layers: dict[str, LayerStats]
     num_texts: int
     num_tokens: int
+    kv_amax: torch.Tensor | None = None  # [decoder layers, 2]: max |k|, max |v| (float32); None if not measured
 
 
 def _recorder(stats: LayerStats, rows_per_text: int):
@@ -58,12 +62,13 @@ def _recorder(stats: LayerStats, rows_per_text: int):
 
 def calibrate(
     runner: PromptForward, modules: dict[str, nn.Module], token_lists: list[list[int]], max_samples: int = 0,
-    progress: bool = True,
+    progress: bool = True, kv_cache: bool = False,
 ) -> CalibrationStats:
     """Run every text through ``runner.model`` and gather the input statistics of ``modules`` (name -> Linear).
 
     ``max_samples`` input rows per layer are kept for replay (0: none), spread
-    over the texts.
+    over the texts. ``kv_cache``: also measure each layer's largest |k| and |v|
+    (``runner`` must have a 16-bit cache).
     """
     if not token_lists:
         raise ValueError("calibration needs at least one text of two or more tokens")
@@ -75,13 +80,18 @@ def calibrate(
     }
     handles = [m.register_forward_hook(_recorder(stats[name], rows_per_text)) for name, m in modules.items()]
     needs_logits = any(name == "lm_head" for name in modules)  # lm_head runs in compute_logits, not forward
+    kv_amax = KVAmax(runner.kv_cache.shape[0], device) if kv_cache else None
     try:
         for ids in tqdm(token_lists, desc="calibrate", unit="text", disable=not progress, leave=False):
             hidden = runner.hidden_states(ids)
+            if kv_amax is not None:
+                kv_amax.update(runner.kv_cache, len(ids))
             if needs_logits:
                 with torch.inference_mode():
                     runner.model.compute_logits(hidden)
     finally:
         for handle in handles:
             handle.remove()
-    return CalibrationStats(stats, len(token_lists), sum(map(len, token_lists)))
+    return CalibrationStats(
+        stats, len(token_lists), sum(map(len, token_lists)), kv_amax.amax if kv_amax is not None else None
+    )

@@ -2,7 +2,9 @@
 
 Calibration and the perplexity gate run the model over single texts: one
 request whose prompt fills the first blocks of a small private KV cache, so
-the forward is exactly the one serving runs for a context step.
+the forward is exactly the one serving runs for a context step (with a
+quantized KV cache too: the prompt's keys and values are written to it and
+attention reads them back from it).
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ class PromptForward:
     @classmethod
     def create(
         cls, model: nn.Module, config: ModelConfig, max_tokens: int, tokens_per_block: int, device: torch.device,
-        dtype: torch.dtype,
+        dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
     ) -> PromptForward:
-        layout = KVCacheLayout(config.num_layers, config.num_kv_heads, config.head_dim, tokens_per_block, dtype)
+        """A runner with a cache of ``kv_dtype`` (default: ``dtype``; FP8 / INT8 uses the model layers' KV scales)."""
+        layout = KVCacheLayout(
+            config.num_layers, config.num_kv_heads, config.head_dim, tokens_per_block, kv_dtype or dtype
+        )
         num_blocks = -(-max_tokens // tokens_per_block)
         return cls(model, layout.allocate(num_blocks, device), tokens_per_block, device)
 

@@ -2,7 +2,8 @@
 
 The per-layer records are both the report (``inflight inspect --layer-info``)
 and the recipe loading uses to rebuild the same quantized modules before the
-weights file fills them.
+weights file fills them. A quantized KV cache's per-layer scales live here too
+(a few floats, read when the engine loads; no tensor in the weights file).
 """
 
 from __future__ import annotations
@@ -57,6 +58,26 @@ class PerplexityReport:
 
 
 @dataclass(slots=True)
+class KVCacheQuant:
+    """The 1-byte KV cache of an engine: its format and each layer's scales.
+
+    A layer's cache holds ``k / k_scales[layer]`` and ``v / v_scales[layer]``
+    in ``dtype``; ``scale = max |x| / (448 for FP8, 127 for INT8)``, with the
+    maxima of post-RoPE keys and of values measured by calibration.
+    """
+
+    algo: str  # kv_cache_quant_algo: "FP8" or "INT8"
+    dtype: str  # torch dtype name: "float8_e4m3fn" or "int8"
+    k_scales: list[float]  # per layer
+    v_scales: list[float]
+    source: str = ""  # what the maxima were measured on
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_scales)
+
+
+@dataclass(slots=True)
 class QuantizationRecord:
     quant_algo: str
     kv_cache_quant_algo: str
@@ -65,6 +86,7 @@ class QuantizationRecord:
     layers: list[LayerQuant] = field(default_factory=list)
     calibration: CalibrationReport | None = None
     perplexity: PerplexityReport | None = None
+    kv_cache: KVCacheQuant | None = None  # None: a 16-bit KV cache
 
     def layer(self, name: str) -> LayerQuant | None:
         return next((layer for layer in self.layers if layer.name == name), None)
@@ -81,6 +103,8 @@ class QuantizationRecord:
         data["layers"] = [LayerQuant(**layer) for layer in data.get("layers", [])]
         if data.get("calibration") is not None:
             data["calibration"] = CalibrationReport(**data["calibration"])
+        if data.get("kv_cache") is not None:
+            data["kv_cache"] = KVCacheQuant(**data["kv_cache"])
         if data.get("perplexity") is not None:
             report = {k: v for k, v in data["perplexity"].items() if k not in ("increase", "passed")}
             data["perplexity"] = PerplexityReport(**report)

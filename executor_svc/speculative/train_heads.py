@@ -114,7 +114,7 @@ def distill_heads(engine, config: DistillConfig, progress: bool = True) -> tuple
         data += f", greedy continuations of their first {config.prompt_tokens} tokens"
 
     runner = PromptForward.create(engine.model, engine.model_config, max_tokens, engine.tokens_per_block, engine.device,
-                                  engine.dtype)
+                                  engine.dtype, engine.layout.dtype)
     hidden = collect_hidden(runner, token_lists, "hidden states", progress)
     eval_hidden = collect_hidden(runner, eval_lists, "held-out hidden states", progress)
     del runner  # its KV cache
@@ -235,7 +235,9 @@ def self_generate(
     a context forward, then one single-token row per unfinished prompt per step.
     """
     config, tokens_per_block = engine.model_config, engine.tokens_per_block
-    layout = KVCacheLayout(config.num_layers, config.num_kv_heads, config.head_dim, tokens_per_block, engine.dtype)
+    layout = KVCacheLayout(
+        config.num_layers, config.num_kv_heads, config.head_dim, tokens_per_block, engine.layout.dtype
+    )
     blocks_per_seq = -(-max_tokens // tokens_per_block)
     group = max(1, min(len(prompts), GENERATE_CACHE_BYTES // (blocks_per_seq * layout.bytes_per_block)))
     kv_cache = layout.allocate(group * blocks_per_seq, engine.device)
