@@ -10,7 +10,9 @@ stored quantized (layouts in executor_svc/quantization/quantize.py):
 * ``gemm_w8a8``   INT8 x [M, K] with float32 per-token scales [M, 1], INT8 weight
   [N, K] with float32 per-channel scales [N]
 * ``gemm_fp8``    FP8 x [M, K] with a float32 scale [M, 1] (per token) or [1]
-  (per tensor), FP8 weight [N, K] with a float32 scale [1]
+  (per tensor), FP8 weight [N, K] with a float32 scale [1]; or, with the x
+  scale None, x as 16-bit activations (weight-only FP8, what ``Fp8Linear``
+  passes at decode sizes to a kernel that declares ``weight_only_rows``)
 
 They run anywhere torch does (the CPU included), and they are what the fast
 kernels are tested against.
@@ -63,8 +65,9 @@ def gemm_w8a8(
 
 @register_kernel("gemm_fp8", "torch", description="reference: dequantize FP8 x and weight, float32 matmul")
 def gemm_fp8(
-    x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+    x_q: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    # x_q: [M, K] fp8, x_scale: [M, 1] or [1], weight: [N, K] fp8, w_scale: [1] -> [M, N]
+    # x_q: [M, K] fp8, x_scale: [M, 1] or [1] (None: x_q is unquantized), weight: [N, K] fp8, w_scale: [1] -> [M, N]
     acc = x_q.float() @ weight.float().t()
-    return (acc * (x_scale * w_scale)).to(out_dtype)
+    return (acc * (w_scale if x_scale is None else x_scale * w_scale)).to(out_dtype)

@@ -55,3 +55,28 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
     assert "inflight_c1_over_hf_one_at_a_time" in result["acceptance"]
 
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.timeout(300)
+def test_bench_quant_gemm_kernels_smoke(tmp_path: Path) -> None:
+    """bench/quant_gemm_kernels.py on tiny shapes through Triton's interpreter: the JSON has every candidate."""
+    out = tmp_path / "quant_gemm.json"
+    cmd = [sys.executable, str(REPO / "bench" / "quant_gemm_kernels.py"), "--device", "cpu", "--smoke",
+           "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+
+    result = json.loads(out.read_text())
+    for key in ("command", "git", "date", "device", "layers", "rows", "defaults", "summary", "best", "results",
+                "variants"):
+        assert key in result, key
+    assert result["device"]["device"] == "cpu" and result["rows"] == [1, 3]
+    impls = {(row["format"], row["impl"]) for row in result["results"]}
+    assert {("bf16", "torch F.linear"), ("int8", "triton_decode"), ("int4", "triton_decode"),
+            ("fp8", "triton_decode"), ("int8", "triton"), ("int4", "triton")} <= impls
+    for row in result["results"] + result["variants"]:
+        assert "error" not in row, row
+        if row.get("format") != "bf16":
+            assert row["max_rel_diff"] < 1e-3, row  # float32 through the interpreter: the reference's result
+    assert set(result["best"]) == {"int8", "int4", "fp8"} and set(result["summary"]) == {"int8", "int4", "fp8"}

@@ -116,6 +116,11 @@ class SmoothQuantLinear(_QuantLinear):
         return self.kernel(x_q, x_scale, self.qweight, self.scales, x.dtype)
 
 
+def weight_only_rows(kernel: Kernel) -> int:
+    """Up to how many rows a ``gemm_fp8`` kernel takes unquantized activations (``x_scale`` None); 0 for none."""
+    return getattr(kernel, "weight_only_rows", 0)
+
+
 class Fp8Linear(_QuantLinear):
     """FP8: E4M3 weights with one scale per tensor; activations per token (dynamic) or per tensor (static)."""
 
@@ -135,6 +140,11 @@ class Fp8Linear(_QuantLinear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= weight_only_rows(self.kernel):
+            # A decode-sized batch: the kernel multiplies 16-bit x by the FP8 weight as it is, since
+            # quantizing x would cost more kernels than the GEMM. Decided from the shape on the host,
+            # so each captured decode graph holds one path.
+            return self.kernel(x, None, self.weight, self.weight_scale, x.dtype)
         if self.input_scale is not None:
             x_q = quantize_fp8_static(x, self.input_scale)
             return self.kernel(x_q, self.input_scale, self.weight, self.weight_scale, x.dtype)

@@ -1,0 +1,361 @@
+"""Quantized GEMMs at decode sizes: every candidate against bf16, and tile variants of the small-M kernels.
+
+Llama-3.1-8B's linear layers (N x K: qkv 6144x4096, o 4096x4096, gate_up
+28672x4096, down 4096x14336) with random weights quantized three ways: INT8
+per output channel (W8A16), INT4 in groups of 128 with unit AWQ scales
+(W4A16_AWQ), FP8 E4M3 per tensor (FP8), times M rows of bfloat16 activations
+(default 1, 2, 4, 8, 16, 64).
+
+``results``: per layer and rows, bf16 ``F.linear`` and every registered
+candidate of the three GEMM kinds, each called as its quantized Linear module
+calls it (FP8: the ``scaled_mm`` candidate quantizes the activations per
+token first; ``triton_decode`` multiplies 16-bit activations directly up to
+16 rows), with the time, the weight bytes read per second (quantized weight
+and its scales), the speedup over bf16, and the largest difference from the
+format's torch reference relative to the reference's largest value.
+
+``variants``: the small-M kernels of plugins/quant_gemm_decode.py under tile
+variants (one knob at a time around the defaults of
+plugins/quant_gemm_decode_config.py: BLOCK_N, BLOCK_K, split-K, warps,
+stages), the GEMV ones up to 4 rows and the tl.dot ones up to 16; ``best``
+names the fastest per format, layer and rows next to the default's time, and
+``summary`` adds the four layers up per format and rows (a decoder layer's
+GEMMs). Those are what to copy into quant_gemm_decode_config.py.
+
+Times are medians of CUDA events around one call after a warm-up, with 256 MiB
+written before every call so the weights come from HBM, as in a decode step
+(which reads every weight once).
+
+    python bench/quant_gemm_kernels.py --output bench/results/h200_quant_gemm_kernels.json
+
+``--device cpu --smoke`` runs tiny shapes through Triton's interpreter
+(TRITON_INTERPRET=1, set here when not given); its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import log, time_us, write_report  # noqa: E402  (also puts the repository on sys.path)
+
+LLAMA_3_1_8B_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# Smoke shapes: N and K off the tile sizes, K a multiple of 8 (INT4 words) on one layer only.
+SMOKE_LAYERS = {"qkv": (96, 256), "down": (40, 200)}
+GROUP_SIZE = 128
+# format -> (plugin kind, quant_algo)
+FORMATS = {"int8": ("gemm_w8a16", "W8A16"), "int4": ("gemm_w4a16", "W4A16_AWQ"), "fp8": ("gemm_fp8", "FP8")}
+GEMV_MAX_ROWS = 4  # GEMV variants are timed up to this many rows, tl.dot variants up to MAX_ROWS
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True, type=Path, help="JSON file for the results")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (through Triton's interpreter)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="activations; auto: bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--smoke", "--small", dest="smoke", action="store_true", help="tiny shapes (smoke run)")
+    p.add_argument("--rows", default=None, help="comma-separated row counts (default 1,2,4,8,16,64; smoke: 1,3)")
+    p.add_argument("--layers", default=None, help=f"comma-separated layers (default all: {','.join(LLAMA_3_1_8B_LAYERS)})")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weight formats: int8,int4,fp8")
+    p.add_argument("--no-variants", action="store_true", help="skip the tile variants of the small-M kernels")
+    p.add_argument("--include-reference", action="store_true",
+                   help="also time the torch references (dequantize the whole weight; always on with --smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; smoke: 1)")
+    p.add_argument("--repeats", type=int, default=None, help="timed calls, median kept (default 50; smoke: 2)")
+    args = p.parse_args(argv)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    layers = SMOKE_LAYERS if args.smoke else LLAMA_3_1_8B_LAYERS
+    names = args.layers.split(",") if args.layers else list(layers)
+    unknown = [name for name in names if name not in layers]
+    if unknown:
+        p.error(f"unknown layers {unknown}; choose from {list(layers)}")
+    args.layers = {name: layers[name] for name in names}
+    args.formats = args.formats.split(",")
+    if any(fmt not in FORMATS for fmt in args.formats):
+        p.error(f"--formats takes {list(FORMATS)}")
+    args.rows = [int(r) for r in (args.rows or ("1,3" if args.smoke else "1,2,4,8,16,64")).split(",")]
+    args.include_reference = args.include_reference or args.smoke
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 50)
+    return args
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A launch of a small-M kernel: ``config`` with split_k 0 (auto), or ``split`` "none" / "double"."""
+
+    label: str
+    config: object  # DecodeConfig
+    split: str = "auto"
+
+
+def variants(fmt: str, smoke: bool) -> list[Variant]:
+    """One knob at a time around the format's default GEMV and tl.dot tiles."""
+    from plugins.quant_gemm_decode_config import DOT_TILES, FMA_TILES
+
+    def around(kind: str, base) -> list[Variant]:
+        out = [Variant(f"{kind} default", base), Variant(f"{kind} no split", base, "none"),
+               Variant(f"{kind} split x2", base, "double")]
+        if smoke:
+            return out
+        for block_n in (16, 32, 64, 128):
+            if block_n != base.block_n:
+                out.append(Variant(f"{kind} block_n {block_n}", replace(base, block_n=block_n)))
+        block_ks = (128, 256, 512) if base.fma else (64, 128, 256)
+        for block_k in block_ks:
+            if block_k != base.block_k and not (fmt == "int4" and not base.fma and block_k > GROUP_SIZE):
+                out.append(Variant(f"{kind} block_k {block_k}", replace(base, block_k=block_k)))
+        for warps in (2, 8):
+            out.append(Variant(f"{kind} warps {warps}", replace(base, num_warps=warps)))
+        for stages in ((1, 2) if base.fma else (2, 4)):
+            if stages != base.num_stages:
+                out.append(Variant(f"{kind} stages {stages}", replace(base, num_stages=stages)))
+        return out
+
+    return around("gemv", FMA_TILES[fmt]) + around("dot", DOT_TILES[fmt])
+
+
+def weight_bytes(fmt: str, n: int, k: int) -> int:
+    """Bytes a GEMM in ``fmt`` must read for its weight: the codes and their scales (and AWQ's input scale)."""
+    if fmt == "bf16":
+        return 2 * n * k
+    if fmt == "int8":
+        return n * k + 4 * n
+    if fmt == "int4":
+        return n * k // 2 + 2 * 2 * n * -(-k // GROUP_SIZE) + 4 * k
+    return n * k + 4  # fp8
+
+
+def _rel_diff(out, expected) -> float:
+    scale = expected.float().abs().max().item() or 1.0
+    return (out.float() - expected.float()).abs().max().item() / scale
+
+
+class Timer:
+    """Times calls as the module docstring says; keeps the L2 flush buffer."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.device = torch.device(args.device)
+        self.args = args
+        self.flush = torch.empty(256 << 20, dtype=torch.int8, device=self.device) if self.device.type == "cuda" else None
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        flush = self.flush.zero_ if self.flush is not None else None
+        return time_us(fn, self.device, self.args.warmup, self.args.repeats, flush)
+
+
+def _runs_here(spec, device, dtype) -> bool:
+    # Under the CPU interpreter the Triton kernels run too (slowly); torch._scaled_mm needs a GPU.
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return spec.supports(device, dtype) or (interpreted and spec.name.startswith("triton"))
+
+
+def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Timer) -> tuple[list[dict], list[dict]]:
+    """All candidates and variants on one layer shape: (results rows, variant rows)."""
+    import torch
+    import torch.nn.functional as F
+
+    from executor_svc.quantization.kernel_choice import quantized_layer
+    from executor_svc.quantization.linear import weight_only_rows
+    from plugins.quant_gemm_torch import gemm_fp8
+    from plugins.registry import get_kernel, list_kernels
+
+    device, dtype = timer.device, getattr(torch, args.dtype)
+    gen = torch.Generator(device=device).manual_seed(n * 7 + k)
+    weight = torch.randn(n, k, generator=gen, device=device) * k**-0.5
+    layers = {fmt: quantized_layer(FORMATS[fmt][0], weight, get_kernel(FORMATS[fmt][0], "torch", device, torch.float32).fn,
+                                   GROUP_SIZE) for fmt in args.formats}
+    dense = weight.to(dtype)
+    del weight
+    results, variant_rows = [], []
+    for rows in args.rows:
+        x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
+        base = {"layer": name, "n": n, "k": k, "rows": rows}
+        bf16_us = timer(lambda: F.linear(x, dense))
+        results.append({**base, "format": "bf16", "impl": "torch F.linear", "us": round(bf16_us, 2),
+                        "weight_gb_per_s": round(weight_bytes("bf16", n, k) / bf16_us / 1e3, 1), "speedup_vs_bf16": 1.0})
+        for fmt in args.formats:
+            kind, layer = FORMATS[fmt][0], layers[fmt]
+            reference_kernel = layer.kernel
+            reference = layer(x)
+            for spec in (s for s in list_kernels() if s.kind == kind):
+                if not _runs_here(spec, device, dtype) or (spec.name == "torch" and not args.include_reference):
+                    continue
+                if spec.name == "scaled_mm":
+                    from plugins.quant_gemm_scaled_mm import scaled_mm_supported
+
+                    if not scaled_mm_supported(device):
+                        continue
+                layer.kernel = spec.fn
+                expected = reference
+                if rows <= weight_only_rows(spec.fn):  # FP8 weight-only: compare with unquantized activations
+                    expected = gemm_fp8(x, None, layer.weight, layer.weight_scale, dtype)
+                try:
+                    diff = _rel_diff(layer(x), expected)
+                    us = timer(lambda: layer(x))
+                except Exception as exc:  # a candidate that refuses the shape is a result, not a crash
+                    results.append({**base, "format": fmt, "impl": spec.name, "error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                finally:
+                    layer.kernel = reference_kernel
+                results.append({
+                    **base, "format": fmt, "impl": spec.name, "us": round(us, 2),
+                    "weight_gb_per_s": round(weight_bytes(fmt, n, k) / us / 1e3, 1),
+                    "speedup_vs_bf16": round(bf16_us / us, 3), "max_rel_diff": diff,
+                })
+                log(f"{name:8s} M={rows:<3d} {fmt:5s} {spec.name:14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16 "
+                    f"{bf16_us:8.1f} us")
+            if not args.no_variants:
+                variant_rows += measure_variants(fmt, layer, x, base, args, timer)
+    return results, variant_rows
+
+
+def measure_variants(fmt: str, layer, x, base: dict, args: argparse.Namespace, timer: Timer) -> list[dict]:
+    """The small-M kernel of ``fmt`` under each applicable tile variant, on ``layer``'s weights."""
+    import torch
+
+    from plugins import quant_gemm_decode as decode
+    from plugins.quant_gemm_decode_config import MIN_SPLIT_STEPS, decode_config, resolve_split
+    from plugins.quant_gemm_torch import gemm_fp8, gemm_w4a16, gemm_w8a16
+
+    rows, n, k = x.shape[0], base["n"], base["k"]
+    if rows > decode.MAX_ROWS:
+        return []
+    sms = decode.num_sms(x.device)
+    if fmt == "int8":
+        expected = gemm_w8a16(x, layer.qweight, layer.scales)
+        call = lambda config: decode.w8a16_decode(x, layer.qweight, layer.scales, config)  # noqa: E731
+    elif fmt == "int4":
+        expected = gemm_w4a16(x, layer.qweight, layer.scales, layer.zeros, GROUP_SIZE, layer.pre_quant_scale)
+        call = lambda config: decode.w4a16_decode(  # noqa: E731
+            x, layer.qweight, layer.scales, layer.zeros, GROUP_SIZE, layer.pre_quant_scale, config)
+    else:
+        expected = gemm_fp8(x, None, layer.weight, layer.weight_scale, x.dtype)
+        call = lambda config: decode.fp8_weight_only_decode(x, layer.weight, layer.weight_scale, x.dtype, config)  # noqa: E731
+    default = decode_config(fmt, rows, n, k, sms, GROUP_SIZE)
+    out = []
+    for variant in variants(fmt, args.smoke):
+        if variant.config.fma and rows > GEMV_MAX_ROWS:
+            continue
+        config = resolve_split(variant.config, rows, n, k, sms)
+        if variant.split == "none":
+            config = replace(config, split_k=1)
+        elif variant.split == "double":
+            steps = -(-k // config.block_k)
+            if steps // (2 * config.split_k) < MIN_SPLIT_STEPS // 2:
+                continue  # splits of one step or less: not a variant worth timing
+            config = replace(config, split_k=2 * config.split_k)
+        try:
+            diff = _rel_diff(call(config), expected)
+            us = timer(lambda: call(config))
+        except Exception as exc:  # e.g. a tile that does not fit: recorded, not fatal
+            out.append({**base, "format": fmt, "variant": variant.label, "config": config.describe(),
+                        "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+            continue
+        out.append({
+            **base, "format": fmt, "variant": variant.label, "config": config.describe(),
+            "is_default": config == default, "us": round(us, 2),
+            "weight_gb_per_s": round(weight_bytes(fmt, n, k) / us / 1e3, 1), "max_rel_diff": diff,
+        })
+        if x.device.type == "cuda":
+            torch.cuda.synchronize()
+    fastest = min((row for row in out if "us" in row), key=lambda row: row["us"], default=None)
+    if fastest is not None:
+        log(f"{base['layer']:8s} M={rows:<3d} {fmt:5s} variants: fastest {fastest['variant']!r} {fastest['us']:.1f} us "
+            f"({fastest['weight_gb_per_s']:.0f} GB/s)")
+    return out
+
+
+def best_variants(variant_rows: list[dict]) -> dict:
+    """format -> layer -> rows -> the fastest variant, and the default config's time."""
+    best: dict = {}
+    for row in variant_rows:
+        if "us" not in row:
+            continue
+        slot = best.setdefault(row["format"], {}).setdefault(row["layer"], {}).setdefault(str(row["rows"]), {})
+        if "us" not in slot or row["us"] < slot["us"]:
+            slot.update({"variant": row["variant"], "config": row["config"], "us": row["us"],
+                         "weight_gb_per_s": row["weight_gb_per_s"]})
+        if row.get("is_default"):
+            slot["default_us"] = row["us"]
+    return best
+
+
+def summarize(results: list[dict]) -> dict:
+    """format -> rows -> the four layers' times added up, per implementation, and the best one's speedup."""
+    totals: dict = {}
+    for row in results:
+        if "us" in row:
+            totals.setdefault(str(row["rows"]), {}).setdefault(row["format"], {}).setdefault(row["impl"], []).append(
+                row["us"])
+    summary: dict = {}
+    for rows, by_format in totals.items():
+        count = len(by_format.get("bf16", {}).get("torch F.linear", []))
+        bf16 = sum(by_format.get("bf16", {}).get("torch F.linear", [])) or None
+        for fmt, impls in by_format.items():
+            complete = {impl: sum(times) for impl, times in impls.items() if len(times) == count}
+            if fmt == "bf16" or not complete or bf16 is None:
+                continue
+            fastest = min(complete, key=complete.__getitem__)
+            summary.setdefault(fmt, {})[rows] = {
+                "layers_us": {impl: round(t, 2) for impl, t in complete.items()}, "bf16_us": round(bf16, 2),
+                "fastest": fastest, "speedup_vs_bf16": round(bf16 / complete[fastest], 3),
+            }
+    return summary
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    import triton
+
+    from plugins import quant_gemm_decode as decode
+    from plugins import quant_gemm_decode_config as tiles
+
+    timer = Timer(args)
+    results, variant_rows = [], []
+    for name, (n, k) in args.layers.items():
+        layer_results, layer_variants = measure_layer(name, n, k, args, timer)
+        results += layer_results
+        variant_rows += layer_variants
+        if timer.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "layers": {name: {"n": n, "k": k} for name, (n, k) in args.layers.items()}, "rows": args.rows,
+        "formats": {fmt: FORMATS[fmt][1] for fmt in args.formats}, "group_size": GROUP_SIZE, "dtype": args.dtype,
+        "triton": triton.__version__, "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "num_sms": decode.num_sms(timer.device),
+        "defaults": {
+            "FMA_MAX_ROWS": tiles.FMA_MAX_ROWS, "FMA_TILES": {f: c.describe() for f, c in tiles.FMA_TILES.items()},
+            "DOT_TILES": {f: c.describe() for f, c in tiles.DOT_TILES.items()},
+            "PROGRAMS_PER_SM": tiles.PROGRAMS_PER_SM, "MIN_SPLIT_STEPS": tiles.MIN_SPLIT_STEPS,
+            "MAX_SPLIT": tiles.MAX_SPLIT,
+        },
+        "timing": {
+            "warmup": args.warmup, "repeats": args.repeats,
+            "method": ("median of CUDA events per call, 256 MiB written before each call to flush L2"
+                       if timer.device.type == "cuda" else "median wall clock per call"),
+        },
+        "summary": summarize(results), "best": best_variants(variant_rows), "results": results,
+        "variants": variant_rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":  # the kernels run through the interpreter; it is read when they are defined
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    write_report("bench/quant_gemm_kernels.py", argv, args.device, args.output, run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Weight-only quantized GEMMs for decode-sized batches (M <= 16), in Triton.
+
+A decode step multiplies a handful of rows by every weight of the model once:
+its time is the time to read the weights, so a quantized GEMM is only worth
+its format if it streams them at HBM bandwidth. The kernels here
+(plugins/quant_gemm_decode_kernels.py) are built for that: a GEMV (FMA and a
+sum over K, dequantizing in registers with integer tricks instead of
+conversions) for the smallest batches (one row; two for INT4),
+``tl.dot`` on 16-row tiles above that, and
+split-K whenever the output tiles alone cannot keep every SM streaming. Tile
+choices come from plugins/quant_gemm_decode_config.py.
+
+Registered as ``triton_decode`` for three kinds, each covering every batch
+size: small batches run the kernels here, larger ones what the format already
+had (the ``tl.dot`` tile kernels of plugins/quant_gemm_triton.py, or
+``torch._scaled_mm`` for FP8), so build-time selection times them against the
+existing candidates.
+
+FP8: ``gemm_fp8`` kernels normally get activations already quantized to FP8
+(``x_scale`` given). This one declares ``weight_only_rows`` = 16, which tells
+``Fp8Linear`` (executor_svc/quantization/linear.py) to pass 16-bit
+activations as they are, with ``x_scale`` None, for batches up to that many
+rows: at decode sizes the per-token activation quantization costs more
+kernels than the GEMM saves. The choice is made on the host from the shape,
+so each captured decode graph holds one path.
+
+Split-K scratch: each launch allocates its float32 partials (from the caching
+allocator, so no kernel runs), and the per-tile arrival counters live in one
+zeroed int32 buffer per device, reset by the kernels themselves. Launches
+therefore must not run concurrently on two streams of one device (the engine
+runs its steps on one stream). The counter buffer is made on first use
+outside CUDA-graph capture; a launch captured before it exists runs unsplit.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+
+from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, decode_config, dot_config, resolve_split
+from plugins.quant_gemm_decode_kernels import (
+    _fp8_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel,
+    _w8a16_gemv_kernel, _weight_dot_kernel,
+)
+from plugins.quant_gemm_scaled_mm import gemm_fp8_scaled_mm
+from plugins.quant_gemm_triton import gemm_w4a16_triton, gemm_w8a16_triton
+from plugins.registry import register_kernel
+
+MAX_ROWS = 16  # the registered kernels use the small-M kernels up to this many rows
+LOCK_SLOTS = 1 << 16  # output tiles one split launch may have (N / BLOCK_N x M tiles)
+INTERPRETER_SMS = 4  # stand-in SM count on the CPU (Triton's interpreter)
+# The INT4 word-plane tl.dot kernel multiplies block_k / 8 channels per dot, and a tensor-core
+# dot of 16-bit inputs takes at least 16: smaller steps (groups of 32 or 64) use the byte kernel.
+MIN_PLANE_BLOCK_K = 128
+
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+@lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors the split-K choice aims to fill."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SMS
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs would otherwise be multiplied in TF32 on the tensor cores (10-bit mantissa).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The device's zeroed arrival counters, or None when this launch cannot split K."""
+    locks = _locks.get(device)
+    if locks is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # zeroing now would only be recorded into the graph, not done
+        locks = _locks[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
+    return locks if tiles <= LOCK_SLOTS else None
+
+
+def _launch(
+    kernel, config: DecodeConfig, x: torch.Tensor, out: torch.Tensor, n: int, k: int, tensors: tuple, strides: tuple,
+    **constants,
+) -> torch.Tensor:
+    """Run ``kernel`` over (N tiles, K splits, M tiles) with the split-K scratch it needs; returns ``out``.
+
+    Kernel arguments: x, ``tensors``, out, partials, counters, M, N, K, x's row stride, ``strides``, out's
+    row stride, K steps per split, then the constants.
+    """
+    m = x.shape[0]
+    row_tiles = 1 if config.fma else triton.cdiv(m, DOT_BLOCK_M)
+    n_tiles = triton.cdiv(n, config.block_n)
+    steps = triton.cdiv(k, config.block_k)
+    split = max(1, min(config.split_k, steps))
+    locks = _split_locks(x.device, n_tiles * row_tiles) if split > 1 else None
+    if locks is None:
+        split = 1
+    steps_per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, steps_per_split)  # no empty split
+    partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    if config.fma:  # K a multiple of the step: the GEMV kernels load without K masks
+        rows = {"ROWS": m, "BLOCK_M": triton.next_power_of_2(m), "EVEN_K": k % config.block_k == 0,
+                "PREFETCH": config.num_stages > 1}
+    else:
+        rows = {"BLOCK_M": DOT_BLOCK_M}
+    kernel[(n_tiles, split, row_tiles)](
+        x, *tensors, out, partials, locks if locks is not None else out, m, n, k, x.stride(0), *strides,
+        out.stride(0), steps_per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        num_warps=config.num_warps, num_stages=config.num_stages, **rows, **constants,
+    )
+    return out
+
+
+def _prepare(
+    fmt: str, x: torch.Tensor, n: int, out_dtype: torch.dtype, config: DecodeConfig | None, group_size: int = 128,
+) -> tuple[torch.Tensor, DecodeConfig, torch.Tensor]:
+    """(x with unit column stride, the resolved launch config, the output to fill)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, k = x.shape
+    sms = num_sms(x.device)
+    config = resolve_split(config, m, n, k, sms) if config else decode_config(fmt, m, n, k, sms, group_size)
+    if config.fma and m > MAX_ROWS:
+        raise ValueError(f"the GEMV kernels unroll over rows and take at most {MAX_ROWS}, got {m}")
+    return x, config, torch.empty((m, n), dtype=out_dtype, device=x.device)
+
+
+def _dot_config(fmt: str, x: torch.Tensor, n: int, group_size: int = 128) -> DecodeConfig:
+    """The tl.dot launch, for a GEMV config whose weight cannot be read as words."""
+    m, k = x.shape
+    return dot_config(fmt, m, n, k, num_sms(x.device), group_size)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """Rows of bytes ``t`` viewed as int32 words, or None when its rows do not split into whole aligned words."""
+    if t.shape[1] % 4 or t.stride(1) != 1 or t.stride(0) % 4 or t.data_ptr() % 4:
+        return None
+    return t.view(torch.int32)
+
+
+def w8a16_decode(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, config: DecodeConfig | None = None
+) -> torch.Tensor:
+    """x [M, K] 16-bit or float32, qweight [N, K] int8, scales [N] float32 -> [M, N] in x's dtype.
+
+    ``config`` overrides ``decode_config``'s choice (split_k 0: chosen from the SM count).
+    """
+    n = qweight.shape[0]
+    x, config, out = _prepare("int8", x, n, x.dtype, config)
+    if x.shape[0] == 0:
+        return out
+    k = x.shape[1]
+    words = _words(qweight) if config.fma else None  # 4 channels a word: K a multiple of 4
+    if words is not None:
+        return _launch(_w8a16_gemv_kernel, config, x, out, n, k, (words, scales), (words.stride(0),))
+    dot = _dot_config("int8", x, n) if config.fma else config
+    return _launch(_weight_dot_kernel, dot, x, out, n, k, (qweight, scales), (qweight.stride(0),), PER_CHANNEL=True,
+                   PRECISION=_precision(x.dtype))
+
+
+def w4a16_decode(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    pre_quant_scale: torch.Tensor | None = None, config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K], qweight [N, K/2] uint8 (even channel in the low nibble), scales/zeros [N, groups] -> [M, N].
+
+    ``pre_quant_scale`` [K] (AWQ) multiplies x first. ``config`` as for ``w8a16_decode``.
+    """
+    n = qweight.shape[0]
+    x, config, out = _prepare("int4", x, n, x.dtype, config, group_size)
+    if x.shape[0] == 0:
+        return out
+    if scales.stride() != zeros.stride():
+        raise ValueError("INT4 scales and zeros must share one layout")
+    k = x.shape[1]
+    pqs = pre_quant_scale if pre_quant_scale is not None else scales  # any pointer when unused
+    constants = {"GROUP": group_size, "HAS_PQS": pre_quant_scale is not None}
+    words = _words(qweight)  # 8 channels a word: K a multiple of 8
+    if config.fma and words is not None:
+        chunk = min(group_size, config.block_k)  # channels of one group within a step
+        if config.block_k % chunk or chunk % 8:
+            raise ValueError(f"block_k {config.block_k} must be a multiple of min(group {group_size}, block_k)")
+        return _launch(_w4a16_gemv_kernel, config, x, out, n, k, (words, scales, zeros, pqs),
+                       (words.stride(0), scales.stride(0)), CHUNK=chunk, **constants)
+    dot = _dot_config("int4", x, n, group_size) if config.fma else config
+    if group_size % dot.block_k:
+        raise ValueError(f"the INT4 tl.dot kernels step within one group: block_k {dot.block_k} must divide "
+                         f"the group size {group_size}")
+    # Eight dots of block_k / 8 channels each; the codes are made by setting a 16-bit float's exponent
+    # bits, so float32 activations take the byte kernel.
+    if words is not None and dot.block_k >= MIN_PLANE_BLOCK_K and x.element_size() == 2:
+        return _launch(_w4a16_dot_kernel, dot, x, out, n, k, (words, scales, zeros, pqs),
+                       (words.stride(0), scales.stride(0)), PRECISION=_precision(x.dtype),
+                       EVEN_K=k % dot.block_k == 0, **constants)
+    return _launch(_w4a16_dot_bytes_kernel, dot, x, out, n, k, (qweight, scales, zeros, pqs),
+                   (qweight.stride(0), scales.stride(0)), PRECISION=_precision(x.dtype), **constants)
+
+
+def fp8_weight_only_decode(
+    x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] 16-bit or float32 (not quantized), weight [N, K] float8_e4m3fn, w_scale [1] -> [M, N].
+
+    ``config`` as for ``w8a16_decode``.
+    """
+    n = weight.shape[0]
+    x, config, out = _prepare("fp8", x, n, out_dtype or x.dtype, config)
+    if x.shape[0] == 0:
+        return out
+    kernel, constants = (_fp8_gemv_kernel, {}) if config.fma else (_weight_dot_kernel, {"PRECISION": _precision(x.dtype), "PER_CHANNEL": False})
+    return _launch(kernel, config, x, out, n, x.shape[1], (weight, w_scale), (weight.stride(0),), **constants)
+
+
+# -- registered: small batches here, larger ones on the format's existing kernel ------------
+
+_CUDA = frozenset({"cuda"})
+
+
+@register_kernel(
+    "gemm_w8a16", "triton_decode", device_types=_CUDA,
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tile kernel above",
+)
+def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] > MAX_ROWS:
+        return gemm_w8a16_triton(x, qweight, scales)
+    return w8a16_decode(x, qweight, scales)
+
+
+@register_kernel(
+    "gemm_w4a16", "triton_decode", device_types=_CUDA,
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tile kernel above",
+)
+def gemm_w4a16_decode(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+    pre_quant_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if x.shape[0] > MAX_ROWS:
+        return gemm_w4a16_triton(x, qweight, scales, zeros, group_size, pre_quant_scale)
+    return w4a16_decode(x, qweight, scales, zeros, group_size, pre_quant_scale)
+
+
+@register_kernel(
+    "gemm_fp8", "triton_decode", device_types=_CUDA,
+    description=f"Triton FP8-weight x 16-bit GEMV / tl.dot up to {MAX_ROWS} rows, torch._scaled_mm above",
+)
+def gemm_fp8_decode(
+    x_q: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor, w_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    # x_scale None: x_q is the 16-bit activation itself (what Fp8Linear passes up to weight_only_rows rows).
+    if x_scale is None:
+        return fp8_weight_only_decode(x_q, weight, w_scale, out_dtype)
+    return gemm_fp8_scaled_mm(x_q, x_scale, weight, w_scale, out_dtype)
+
+
+gemm_fp8_decode.weight_only_rows = MAX_ROWS  # type: ignore[attr-defined]

@@ -1,0 +1,416 @@
+"""Triton kernels of the small-M weight-only GEMMs (launched from plugins/quant_gemm_decode.py).
+
+Every kernel computes ``out[M, N] = x[M, K] @ dequant(W)[N, K].T`` for one
+tile of output channels and one split of K; the grid is
+(N tiles, K splits, M tiles).
+
+GEMV kernels (``*_gemv_kernel``, FMA + ``tl.sum`` over K, every row of x in
+one program): a decode step at batch 1 or 2 does two FLOPs per weight, so
+the only cost that should show is reading the weights, and the per-weight
+work between a load and its FMA is what decides whether it does.
+
+* INT8 and INT4 weights are read as int32 words (4 bytes, or 8 nibbles, per
+  load element) and each value is moved by one shift and one mask into the
+  mantissa of a float near 1.0: an INT4 code q becomes ``1 + q/16`` and an
+  INT8 code ``1.5 + q/256``, exactly, with no int-to-float conversion (a
+  quarter-rate instruction). The offset is taken out per output channel once
+  per step through the sum of x: for INT4, ``sum x (q - z) = 16 sum x f - (16
+  + z) sum x``; the group scale multiplies the group's sum, not every weight.
+* FP8 weights are converted by the hardware (E4M3 pairs to half pairs).
+* Triton does not pipeline loads that feed no ``tl.dot``; with PREFETCH the
+  next step's weights are requested into registers before the current
+  step's are used, doubling the bytes in flight per thread (for registers).
+
+tl.dot kernels (``*_dot_kernel``, 16-row tiles): for 3 to 16 rows, where the
+GEMV's per-row FMAs would cost more than tensor-core tiles. INT4 codes become
+``16 + q`` in x's dtype by setting the exponent bits (exact in bfloat16,
+float16 and float32), the group's zero is taken out through the row sums of
+x, and its scale multiplies the group's partial product.
+
+Split-K without a second kernel: each split stores its float32 partial tile,
+then counts itself in on a per-tile counter (an acq_rel atomic); the split
+that arrives last adds all partials in split order (the result does not
+depend on which split finished last), writes the output and resets the
+counter to 0 for the next launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K: tl.constexpr):
+    """Store float32 ``acc`` [BLOCK_M, BLOCK_N] (rows ``rm``, columns ``rn``), reducing over K splits."""
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs = rm[:, None] * N + rn[None, :]
+        tl.store(part_ptr + tl.program_id(1) * M * N + offs, acc, mask=mask)
+        # Every thread's partial is written before the program counts itself in (the atomic is
+        # issued by one thread; its release covers what the barrier ordered before it).
+        tl.debug_barrier()
+        lock = lock_ptr + tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(lock, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for split in tl.static_range(SPLIT_K):
+                # .cg: read from L2, where the other SMs' partials are, never a stale L1 line.
+                total += tl.load(part_ptr + split * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _load_x(row_ptr, k, K, EVEN_K: tl.constexpr):
+    """Channels ``k`` of one row of x (or of the AWQ scale) as float32; 0 past K."""
+    if EVEN_K:
+        return tl.load(row_ptr + k).to(tl.float32)
+    return tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_words(row_ptrs, offset, row_mask, index, length, EVEN_K: tl.constexpr):
+    """Weight elements ``offset + index`` of the rows ``row_ptrs`` (already offset by ``index``); 0 past
+    ``length`` elements per row."""
+    zero = tl.zeros((1,), dtype=row_ptrs.dtype.element_ty)  # in the weight's own type (int32 words or FP8)
+    if EVEN_K:  # no mask along K: one that varies along K would stop the loads from being vectorized
+        return tl.load(row_ptrs + offset, mask=row_mask, other=zero)
+    return tl.load(row_ptrs + offset, mask=row_mask & (offset + index < length), other=zero)
+
+
+# -- dequantization in registers ----------------------------------------------------
+
+
+@triton.jit
+def _nibble_as_float(v):
+    """Bits 19..22 of ``v`` as the top of 1.0's mantissa: 1 + nibble / 16."""
+    return ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_dot_words(w, x):
+    """sum over each word's 8 channels of (1 + q/16) x: int32 words ``w`` [..., W], float32 ``x`` [..., W, 2, 2, 2].
+
+    Word i holds channel 8i+j in bits 4j..4j+3, and x[..., i, a, b, c] is
+    channel 8i + 4a + 2b + c. x is split into its 8 phases (free: each thread
+    holds whole words' channels) so that the products of a word land in one
+    FMA chain; a tl.sum over them would add pairwise, costing half again.
+    """
+    x_even, x_odd = tl.split(x)
+    x_0_4, x_2_6 = tl.split(x_even)
+    x_1_5, x_3_7 = tl.split(x_odd)
+    x0, x4 = tl.split(x_0_4)
+    x2, x6 = tl.split(x_2_6)
+    x1, x5 = tl.split(x_1_5)
+    x3, x7 = tl.split(x_3_7)
+    acc = _nibble_as_float(w << 19) * x0
+    acc += _nibble_as_float(w << 15) * x1
+    acc += _nibble_as_float(w << 11) * x2
+    acc += _nibble_as_float(w << 7) * x3
+    acc += _nibble_as_float(w << 3) * x4
+    acc += _nibble_as_float(w >> 1) * x5
+    acc += _nibble_as_float(w >> 5) * x6
+    acc += _nibble_as_float(w >> 9) * x7
+    return acc
+
+
+@triton.jit
+def _byte_as_float(v):
+    """Bits 15..22 of ``v`` as a signed byte q, flipped to q + 128 under 1.0's exponent: 1.5 + q / 256."""
+    return ((v & 0x7F8000) ^ 0x3FC00000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int8_dot_words(w, x):
+    """sum over each word's 4 channels of (1.5 + q/256) x: int32 words ``w`` [..., W], float32 ``x`` [..., W, 2, 2].
+
+    Word i holds channel 4i+j in byte j, and x[..., i, a, b] is channel 4i + 2a + b.
+    """
+    x_even, x_odd = tl.split(x)
+    x0, x2 = tl.split(x_even)
+    x1, x3 = tl.split(x_odd)
+    acc = _byte_as_float(w << 15) * x0
+    acc += _byte_as_float(w << 7) * x1
+    acc += _byte_as_float(w >> 1) * x2
+    acc += _byte_as_float(w >> 9) * x3
+    return acc
+
+
+@triton.jit
+def _int4_codes(c, dtype: tl.constexpr):
+    """uint8 codes 0..15 -> 16 + q in ``dtype``, by writing q under the exponent of 16 (exact)."""
+    if dtype == tl.bfloat16:
+        return ((c.to(tl.int16) << 3) | 0x4180).to(tl.bfloat16, bitcast=True)
+    elif dtype == tl.float16:
+        return ((c.to(tl.int16) << 6) | 0x4C00).to(tl.float16, bitcast=True)
+    else:
+        return ((c.to(tl.int32) << 19) | 0x41800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_plane_codes(w, J: tl.constexpr, dtype: tl.constexpr):
+    """Nibble J of int32 words ``w`` -> 16 + q in ``dtype``: one shift and one mask-and-set per value."""
+    SHIFT: tl.constexpr = 3 if dtype == tl.bfloat16 else (6 if dtype == tl.float16 else 19)
+    MAGIC: tl.constexpr = 0x4180 if dtype == tl.bfloat16 else (0x4C00 if dtype == tl.float16 else 0x41800000)
+    if 4 * J > SHIFT:
+        v = w >> (4 * J - SHIFT)
+    else:
+        v = w << (SHIFT - 4 * J)
+    v = (v & (0xF << SHIFT)) | MAGIC
+    if dtype == tl.float32:
+        return v.to(tl.float32, bitcast=True)
+    return v.to(tl.int16).to(dtype, bitcast=True)
+
+
+# -- INT8 per output channel -----------------------------------------------------------
+# Loops run over step indices so that k0 = step * BLOCK_K is known to be a multiple of
+# BLOCK_K, which lets the loads be vectorized (k0 from a range() with a runtime start is not).
+
+
+@triton.jit
+def _w8a16_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    # w_ptr: the INT8 weight as int32 words [N, K / 4]; stride_wn in words.
+    WORDS: tl.constexpr = BLOCK_K // 4
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rw = tl.arange(0, WORDS)
+    rk = tl.arange(0, BLOCK_K)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    w_rows = w_ptr + rn[:, None] * stride_wn + rw[None, :]
+    words = _load_words(w_rows, first * WORDS, n_mask[:, None], rw[None, :], K // 4, EVEN_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        if PREFETCH:  # request the next step's words before using this step's (the last re-requests its own)
+            current = words
+            words = _load_words(w_rows, tl.minimum(step + 1, last - 1) * WORDS, n_mask[:, None], rw[None, :], K // 4,
+                                EVEN_K)
+        else:
+            current = _load_words(w_rows, step * WORDS, n_mask[:, None], rw[None, :], K // 4, EVEN_K)
+        k = step * BLOCK_K + rk
+        for m in tl.static_range(ROWS):
+            x = _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)
+            dots = tl.sum(_int8_dot_words(current, tl.reshape(x, (WORDS, 2, 2))[None, :, :, :]), axis=1)
+            # sum x q = 256 sum x (1.5 + q/256) - 384 sum x (masked weights meet x = 0)
+            part = 256.0 * dots - 384.0 * tl.sum(x, axis=0)
+            acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+    scale = tl.load(scale_ptr + rn, mask=n_mask, other=0.0)  # per output channel: once, after the sum
+    _write_tile(acc * scale[None, :], rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+
+
+@triton.jit
+def _weight_dot_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):
+    """INT8 (per-channel scale) or FP8 (per-tensor scale) weights widened to x's dtype, exactly, then
+    tl.dot on 16-row tiles; the scale is applied once, after the sum."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        k = step * BLOCK_K + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)
+        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+    if PER_CHANNEL:
+        scaled = acc * tl.load(scale_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    else:
+        scaled = acc * tl.load(scale_ptr)
+    _write_tile(scaled, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+
+
+# -- INT4, asymmetric per group, AWQ input scale ---------------------------------------
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
+    GROUP: tl.constexpr, HAS_PQS: tl.constexpr, CHUNK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K
+    # channels is BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group.
+    NUM_CHUNKS: tl.constexpr = BLOCK_K // CHUNK
+    WORDS: tl.constexpr = CHUNK // 8
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rc = tl.arange(0, NUM_CHUNKS)
+    rw = tl.arange(0, WORDS)
+    rj = tl.arange(0, CHUNK)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    step_words = (rc[:, None] * WORDS + rw[None, :])[None, :, :]  # [1, chunks, words] within a step
+    w_rows = w_ptr + rn[:, None, None] * stride_wn + step_words
+    row_mask = n_mask[:, None, None]
+    words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        if PREFETCH:  # request the next step's words before using this step's (the last re-requests its own)
+            current = words
+            words = _load_words(w_rows, tl.minimum(step + 1, last - 1) * (BLOCK_K // 8), row_mask, step_words, K // 8,
+                                EVEN_K)
+        else:
+            current = _load_words(w_rows, step * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
+        chunk_k = step * BLOCK_K + rc * CHUNK  # first channel of each chunk
+        group_mask = n_mask[:, None] & (chunk_k < K)[None, :]
+        group_offs = rn[:, None] * stride_sn + (chunk_k // GROUP)[None, :]
+        scale = tl.load(scale_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)  # [BLOCK_N, chunks]
+        zero = tl.load(zero_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)
+        k = chunk_k[:, None] + rj[None, :]  # [chunks, CHUNK]
+        if HAS_PQS:
+            pqs = _load_x(pqs_ptr, k, K, EVEN_K)
+        for m in tl.static_range(ROWS):
+            x = _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)
+            if HAS_PQS:
+                x = x * pqs
+            x_words = tl.reshape(x, (NUM_CHUNKS, WORDS, 2, 2, 2))[None, :, :, :, :, :]
+            dots = tl.sum(_int4_dot_words(current, x_words), axis=2)  # [BLOCK_N, chunks]: sum x (1 + q/16)
+            # per chunk: sum x (q - z) = 16 sum x (1 + q/16) - (16 + z) sum x, times the group's scale
+            x_sum = tl.sum(x, axis=1)
+            part = tl.sum((16.0 * dots - (16.0 + zero) * x_sum[None, :]) * scale, axis=1)
+            acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+    _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+
+
+@triton.jit
+def _w4a16_dot_bytes_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
+    GROUP: tl.constexpr, HAS_PQS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Bytes, for groups too small for the word planes: BLOCK_K divides GROUP, so a step lies in one
+    # group, with one scale and one zero per output channel; even and odd channels are two dots.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        k0 = step * BLOCK_K
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        if HAS_PQS:
+            x = (x.to(tl.float32) * tl.load(pqs_ptr + k, mask=k < K, other=0.0)[None, :]).to(x_ptr.dtype.element_ty)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        packed = tl.load(w_ptr + rn[None, :] * stride_wn + (k0 // 2 + rb)[:, None],
+                         mask=n_mask[None, :] & ((k0 + 2 * rb) < K)[:, None], other=0)  # [BLOCK_K / 2, BLOCK_N]
+        dots = tl.dot(x_even, _int4_codes(packed & 0xF, x.dtype), input_precision=PRECISION)
+        dots = tl.dot(x_odd, _int4_codes(packed >> 4, x.dtype), dots, input_precision=PRECISION)
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        group_offs = rn * stride_sn + k0 // GROUP
+        scale = tl.load(scale_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
+        # the codes were 16 + q: sum x (q - z) = dots - (16 + z) sum x
+        acc += (dots - (16.0 + zero)[None, :] * x_sum[:, None]) * scale[None, :]
+    _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+
+
+@triton.jit
+def _w4a16_dot_kernel(
+    x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
+    GROUP: tl.constexpr, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # w_ptr: the packed weight as int32 words [N, K / 8]. A step of BLOCK_K channels (dividing GROUP,
+    # at least 128) is BLOCK_K / 8 words per output channel; nibble j of every word is one "plane"
+    # [BLOCK_K / 8, BLOCK_N], multiplied by x's channels 8i + j: eight dots of K = BLOCK_K / 8.
+    WORDS: tl.constexpr = BLOCK_K // 8
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rw = tl.arange(0, WORDS)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        k0 = step * BLOCK_K
+        k = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        if HAS_PQS:
+            x = (x.to(tl.float32) * tl.load(pqs_ptr + k, mask=k < K, other=0.0)[None, :]).to(DTYPE)
+        word = k0 // 8 + rw
+        w_ptrs = w_ptr + rn[None, :] * stride_wn + word[:, None]  # [WORDS, BLOCK_N]
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[None, :] & (word * 8 < K)[:, None], other=0)
+        # x[:, 8i + 4a + 2b + c] -> the eight phases [BLOCK_M, WORDS]
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))
+        x_0_4, x_2_6 = tl.split(x_even)
+        x_1_5, x_3_7 = tl.split(x_odd)
+        x0, x4 = tl.split(x_0_4)
+        x2, x6 = tl.split(x_2_6)
+        x1, x5 = tl.split(x_1_5)
+        x3, x7 = tl.split(x_3_7)
+        dots = tl.dot(x0, _int4_plane_codes(w, 0, DTYPE), input_precision=PRECISION)
+        dots = tl.dot(x1, _int4_plane_codes(w, 1, DTYPE), dots, input_precision=PRECISION)
+        dots = tl.dot(x2, _int4_plane_codes(w, 2, DTYPE), dots, input_precision=PRECISION)
+        dots = tl.dot(x3, _int4_plane_codes(w, 3, DTYPE), dots, input_precision=PRECISION)
+        dots = tl.dot(x4, _int4_plane_codes(w, 4, DTYPE), dots, input_precision=PRECISION)
+        dots = tl.dot(x5, _int4_plane_codes(w, 5, DTYPE), dots, input_precision=PRECISION)
+        dots = tl.dot(x6, _int4_plane_codes(w, 6, DTYPE), dots, input_precision=PRECISION)
+        dots = tl.dot(x7, _int4_plane_codes(w, 7, DTYPE), dots, input_precision=PRECISION)
+        x_sum = tl.sum(x.to(tl.float32), axis=1)
+        group_offs = rn * stride_sn + k0 // GROUP
+        scale = tl.load(scale_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
+        # the codes were 16 + q: sum x (q - z) = dots - (16 + z) sum x
+        acc += (dots - (16.0 + zero)[None, :] * x_sum[:, None]) * scale[None, :]
+    _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+
+
+# -- FP8 E4M3, one scale per tensor, 16-bit activations --------------------------------
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    w_rows = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    w = _load_words(w_rows, first * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(first, last):
+        if PREFETCH:  # request the next step's weights before using this step's (the last re-requests its own)
+            current = w
+            w = _load_words(w_rows, tl.minimum(step + 1, last - 1) * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+        else:
+            current = _load_words(w_rows, step * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+        k = step * BLOCK_K + rk
+        w32 = current.to(tl.float32)  # E4M3 pairs to half pairs in hardware, then to float32
+        for m in tl.static_range(ROWS):
+            x = _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)
+            acc += tl.where(rm[:, None] == m, tl.sum(w32 * x[None, :], axis=1)[None, :], 0.0)
+    _write_tile(acc * tl.load(scale_ptr), rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)

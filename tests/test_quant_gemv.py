@@ -1,0 +1,283 @@
+"""Small-M (decode) quantized GEMM kernels against their torch references.
+
+plugins/quant_gemm_decode.py: GEMV (FMA) and 16-row tl.dot kernels for
+INT8, INT4 AWQ and FP8 weights, with and without split-K, on odd shapes
+(N and K not multiples of the tiles, short last INT4 groups, K that cannot
+be read as words). Under Triton's CPU interpreter in float32 and float16
+(its bfloat16 arithmetic is wrong, so bfloat16 runs only on a GPU:
+INFLIGHT_TEST_DEVICE=cuda, which also adds Llama-sized shapes and a CUDA
+graph capture).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor_svc.quantization import quantize as qz
+from executor_svc.quantization.linear import Fp8Linear, weight_only_rows
+from plugins.quant_gemm_decode_config import (
+    FMA_MAX_ROWS, MAX_SPLIT, MIN_SPLIT_STEPS, PROGRAMS_PER_SM, DecodeConfig, decode_config, split_k_for,
+)
+from plugins.quant_gemm_torch import gemm_fp8, gemm_w4a16, gemm_w8a16
+from plugins.registry import get_kernel
+from tests.conftest import TEST_DEVICE
+
+decode = pytest.importorskip("plugins.quant_gemm_decode")
+
+DEVICE = torch.device(TEST_DEVICE)
+ON_GPU = TEST_DEVICE == "cuda"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+def _gemv(block_n: int, block_k: int, split_k: int) -> DecodeConfig:
+    return DecodeConfig(fma=True, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def _dot(block_n: int, block_k: int, split_k: int) -> DecodeConfig:
+    return DecodeConfig(fma=False, block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype] * scale, rtol=TOL[dtype])
+
+
+def _operands(rows: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _randn(rows, k, seed=rows * 1000 + k).to(dtype), _randn(n, k, seed=n, scale=k**-0.5)
+
+
+# (rows, K, N, config); None: decode_config's choice. A gemv config on a K that does
+# not split into int32 words runs the tl.dot kernel instead.
+W8_CASES = [
+    (1, 200, 40, _gemv(16, 128, 1)),
+    (3, 200, 40, _gemv(16, 64, 3)),  # 4 steps over 3 splits: two splits of 2 steps
+    (3, 136, 33, _dot(16, 64, 2)),
+    (16, 200, 40, _dot(32, 128, 1)),
+    (1, 202, 24, _gemv(16, 128, 2)),  # K % 4: not words
+    (1, 256, 48, None), (3, 256, 48, None), (16, 256, 48, None),
+]
+# (rows, K, N, group, AWQ scale, config)
+W4_CASES = [
+    (1, 576, 40, 128, True, _gemv(16, 256, 1)),  # two groups a step, a short last group
+    (3, 192, 33, 32, False, _gemv(16, 64, 2)),
+    (2, 136, 24, 64, True, _gemv(16, 128, 2)),  # a last group of 8 channels
+    (3, 576, 40, 128, True, _dot(16, 128, 2)),
+    (16, 192, 40, 64, False, _dot(32, 32, 3)),
+    (1, 102, 24, 32, True, _gemv(16, 128, 1)),  # K % 8: not words
+    (1, 256, 48, 128, True, None), (3, 256, 48, 128, True, None), (16, 256, 48, 128, False, None),
+]
+FP8_CASES = [
+    (1, 200, 40, _gemv(16, 128, 1)),
+    (3, 130, 33, _gemv(16, 64, 2)),
+    (3, 130, 40, _dot(16, 64, 2)),
+    (16, 200, 24, _dot(32, 128, 1)),
+    (1, 256, 48, None), (3, 256, 48, None), (16, 256, 48, None),
+]
+if ON_GPU:  # Llama-3.1-8B's o projection, at batch 1 and 16
+    W8_CASES += [(1, 4096, 4096, None), (16, 4096, 4096, None)]
+    W4_CASES += [(1, 4096, 4096, 128, True, None), (16, 4096, 4096, 128, True, None)]
+    FP8_CASES += [(1, 4096, 4096, None), (16, 4096, 4096, None)]
+
+
+def _case_id(case: tuple) -> str:
+    config = case[-1]
+    mode = "auto" if config is None else f"{'gemv' if config.fma else 'dot'}{config.block_n}x{config.block_k}s{config.split_k}"
+    return "-".join(map(str, case[:-1])) + "-" + mode
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", W8_CASES, ids=_case_id)
+def test_w8a16_decode_matches_reference(case, dtype):
+    rows, k, n, config = case
+    x, w = _operands(rows, k, n, dtype)
+    q, scales = qz.quantize_int8_per_channel(w)
+    _close(decode.w8a16_decode(x, q, scales, config), gemm_w8a16(x, q, scales), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", W4_CASES, ids=_case_id)
+def test_w4a16_decode_matches_reference(case, dtype):
+    rows, k, n, group, with_scale, config = case
+    x, w = _operands(rows, k, n, dtype)
+    packed, scales, zeros = qz.quantize_int4_groupwise(w, group)
+    pqs = (torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5).to(DEVICE) if with_scale else None
+    out = decode.w4a16_decode(x, packed, scales, zeros, group, pqs, config)
+    _close(out, gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", FP8_CASES, ids=_case_id)
+def test_fp8_weight_only_decode_matches_reference(case, dtype):
+    rows, k, n, config = case
+    x, w = _operands(rows, k, n, dtype)
+    weight, w_scale = qz.quantize_fp8_per_tensor(w)
+    out = decode.fp8_weight_only_decode(x, weight, w_scale, dtype, config)
+    _close(out, gemm_fp8(x, None, weight, w_scale, dtype), dtype)
+
+
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
+    x, w = _operands(3, 512, 40, torch.float32)
+    q, scales = qz.quantize_int8_per_channel(w)
+    for config in (_gemv(16, 64, 4), _dot(16, 64, 4)):
+        first = decode.w8a16_decode(x, q, scales, config)
+        assert torch.equal(decode.w8a16_decode(x, q, scales, config), first)  # splits are summed in a fixed order
+        assert not decode._locks[x.device].any()  # each launch resets what it counted
+        _close(first, decode.w8a16_decode(x, q, scales, _gemv(16, 64, 1)), torch.float32)
+
+
+def test_registered_kernels_use_the_decode_kernels_up_to_16_rows(monkeypatch):
+    calls = []
+    monkeypatch.setattr(decode, "w8a16_decode", lambda *a: calls.append(("decode", a[0].shape[0])))
+    monkeypatch.setattr(decode, "gemm_w8a16_triton", lambda *a: calls.append(("tiles", a[0].shape[0])))
+    monkeypatch.setattr(decode, "fp8_weight_only_decode", lambda *a: calls.append(("fp8 weight-only", a[0].shape[0])))
+    monkeypatch.setattr(decode, "gemm_fp8_scaled_mm", lambda *a: calls.append(("scaled_mm", a[0].shape[0])))
+    for rows in (1, 16, 17):
+        x = torch.zeros(rows, 8)
+        decode.gemm_w8a16_decode(x, None, None)
+        decode.gemm_fp8_decode(x, None if rows <= 16 else torch.ones(rows, 1), None, None, torch.float32)
+    assert calls == [("decode", 1), ("fp8 weight-only", 1), ("decode", 16), ("fp8 weight-only", 16),
+                     ("tiles", 17), ("scaled_mm", 17)]
+    cpu = torch.device("cpu")
+    for kind in ("gemm_w8a16", "gemm_w4a16", "gemm_fp8"):
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            get_kernel(kind, "triton_decode", cpu, torch.float32)
+
+
+def test_fp8_linear_passes_16_bit_activations_to_a_weight_only_kernel():
+    seen = []
+
+    def kernel(x_q, x_scale, weight, w_scale, out_dtype):
+        seen.append((x_q.dtype, x_scale is None))
+        return gemm_fp8(x_q, x_scale, weight, w_scale, out_dtype)
+
+    kernel.weight_only_rows = 4
+    w = _randn(24, 64, seed=1, scale=0.1)
+    layer = Fp8Linear.from_float(w, kernel)
+    layer(_randn(4, 64, seed=2))
+    layer(_randn(5, 64, seed=3))
+    assert seen == [(torch.float32, True), (qz.FP8_DTYPE, False)]  # quantized above weight_only_rows
+    assert weight_only_rows(gemm_fp8) == 0 and weight_only_rows(decode.gemm_fp8_decode) == decode.MAX_ROWS
+    # The decode kernel's weight-only path computes what the reference does with unquantized x.
+    x = _randn(3, 64, seed=4)
+    fast = Fp8Linear.from_float(w, decode.gemm_fp8_decode)
+    _close(fast(x), gemm_fp8(x, None, fast.weight, fast.weight_scale, torch.float32), torch.float32)
+
+
+def test_decode_config_fills_the_gpu_and_respects_the_formats():
+    sms = 132
+    for fmt in ("int8", "int4", "fp8"):
+        assert decode_config(fmt, 1, 6144, 4096, sms).fma and not decode_config(fmt, 16, 6144, 4096, sms).fma
+        assert not decode_config(fmt, FMA_MAX_ROWS[fmt] + 1, 4096, 4096, sms).fma
+        for rows, n, k in ((1, 6144, 4096), (1, 4096, 4096), (1, 28672, 4096), (1, 4096, 14336), (16, 6144, 4096)):
+            config = decode_config(fmt, rows, n, k, sms)
+            tiles, steps = -(-n // config.block_n), -(-k // config.block_k)
+            # enough programs for every SM, unless splitting further would make splits too short
+            assert (tiles * config.split_k >= PROGRAMS_PER_SM * sms or config.split_k == MAX_SPLIT
+                    or steps // (2 * config.split_k) < MIN_SPLIT_STEPS), (fmt, rows, n, k, config)
+    assert decode_config("int4", 16, 4096, 4096, sms, group_size=32).block_k <= 32  # a tl.dot step in one group
+    for tiles, steps in ((1, 1000), (4, 64), (128, 56), (896, 16), (10, 3)):
+        split = split_k_for(tiles, steps, sms)
+        assert 1 <= split <= MAX_SPLIT and (split == 1 or steps // split >= MIN_SPLIT_STEPS)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_decode_kernels_replay_from_a_cuda_graph():
+    x, w = _operands(1, 4096, 4096, torch.bfloat16)
+    packed, scales, zeros = qz.quantize_int4_groupwise(w, 128)
+    pqs = torch.ones(4096, device=DEVICE)
+    call = lambda: decode.gemm_w4a16_decode(x, packed, scales, zeros, 128, pqs)  # noqa: E731
+    eager = call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (5, 6):
+        x.copy_(_randn(1, 4096, seed=seed).to(torch.bfloat16))
+        graph.replay()
+        torch.testing.assert_close(out, call(), rtol=0, atol=0)
+    assert not torch.equal(out, eager)
+
+
+# Compiles each kernel for sm_90 with the specializations a launch on Llama shapes gets (16-byte
+# aligned pointers, integer arguments divisible by 16 except M), in a process without the interpreter.
+_COMPILE_FOR_HOPPER = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from plugins import quant_gemm_decode_kernels as K
+
+def compile_one(kernel, pointers, constants, num_warps=4, num_stages=2):
+    signature = {}
+    for name in kernel.arg_names:
+        signature[name] = "constexpr" if name in constants else pointers.get(name, "i32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if name not in constants and name != "M"}
+    triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": num_warps, "num_stages": num_stages})
+
+def pointers(x, w, scale="*fp32", zero=None):
+    p = {"x_ptr": x, "w_ptr": w, "scale_ptr": scale, "out_ptr": x, "part_ptr": "*fp32", "lock_ptr": "*i32",
+         "pqs_ptr": "*fp32"}
+    if zero:
+        p["zero_ptr"] = zero
+    return p
+
+gemv = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2}
+dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PRECISION": "tf32"}
+cases = []
+for x in ("*bf16", "*fp16"):
+    for rows, even, prefetch in ((1, True, True), (2, False, False)):
+        rows_c = {"ROWS": rows, "BLOCK_M": rows, "EVEN_K": even, "PREFETCH": prefetch}
+        cases += [
+            ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
+            ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128}),
+            ("fp8 gemv", K._fp8_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c}),
+        ]
+    cases += [
+        ("w8a16 dot", K._weight_dot_kernel, pointers(x, "*i8"), {**dot, "PER_CHANNEL": True}),
+        ("w4a16 dot", K._w4a16_dot_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
+         {**dot, "GROUP": 128, "HAS_PQS": True, "EVEN_K": x == "*bf16"}),
+        ("w4a16 dot bytes", K._w4a16_dot_bytes_kernel, pointers(x, "*u8", "*fp16", "*fp16"),
+         {**dot, "BLOCK_K": 64, "GROUP": 64, "HAS_PQS": False}),
+        ("fp8 dot", K._weight_dot_kernel, pointers(x, "*fp8e4nv"), {**dot, "SPLIT_K": 1, "PER_CHANNEL": False}),
+    ]
+failed = {}
+for name, kernel, ptrs, constants in cases:
+    try:
+        compile_one(kernel, ptrs, constants)
+    except Exception as exc:
+        failed[f"{name} {ptrs['x_ptr']} {constants}"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+print(json.dumps({"compiled": len(cases) - len(failed), "failed": failed}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_decode_kernels_compile_for_hopper():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from importlib.util import find_spec
+
+    if find_spec("triton.backends.nvidia") is None:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    repo = Path(__file__).resolve().parent.parent
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=280)
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip(f"no ptxas to compile with: {proc.stderr[-500:]}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["failed"], report["failed"]
+    assert report["compiled"] == 20  # 2 dtypes x (3 GEMVs x 2 specializations + 4 tl.dot kernels)
