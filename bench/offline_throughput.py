@@ -16,10 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -228,11 +233,24 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
 # --------------------------------------------------------------------------- gRPC
 
 
-def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
-    import os
-    import signal
-    import subprocess
+@contextlib.contextmanager
+def service_process(cmd: list[str], log_path: Path) -> Iterator[subprocess.Popen]:
+    """Run an inflight service (serve, executor) for the block, its output in ``log_path``; stopped after."""
+    log(f"starting {' '.join(cmd)} (log {log_path})")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            yield proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
 
+
+def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
     from inflight.client import AsyncClient
 
     port, executor_port = free_port(), free_port()
@@ -242,45 +260,35 @@ def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
         "--kv-cache-fraction", str(args.kv_cache_fraction), *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     log_path = Path(args.server_log)
-    log(f"starting {' '.join(cmd)} (log {log_path})")
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            async def main() -> None:
-                async with AsyncClient(f"127.0.0.1:{port}") as client:
-                    deadline = time.monotonic() + args.startup_timeout
-                    while True:
-                        if proc.poll() is not None:
-                            raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
-                        try:
-                            await client.wait_ready(timeout=2.0)
-                            if (await client.stats()).executor_ready:
-                                break
-                        except Exception:
-                            if time.monotonic() > deadline:
-                                raise
-                        await asyncio.sleep(1.0)
+    with service_process(cmd, log_path) as proc:
+        async def main() -> None:
+            async with AsyncClient(f"127.0.0.1:{port}") as client:
+                deadline = time.monotonic() + args.startup_timeout
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+                    try:
+                        await client.wait_ready(timeout=2.0)
+                        if (await client.stats()).executor_ready:
+                            break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                    await asyncio.sleep(1.0)
 
-                    async def submit(prompt: list[int], output_len: int):
-                        async for chunk in client.generate_stream(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True):
-                            yield chunk.token_ids
+                async def submit(prompt: list[int], output_len: int):
+                    async for chunk in client.generate_stream(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True):
+                        yield chunk.token_ids
 
-                    await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "grpc warm-up")
-                    for in_len, out_len in parse_scenarios(args.grpc_scenarios):
-                        count = args.num_requests if out_len <= 256 else args.num_requests_long
-                        prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
-                        scenario = await _run_requests(submit, prompts, out_len, f"grpc {in_len}/{out_len}")
-                        result["grpc"][f"{in_len}x{out_len}"] = scenario
-                        log(f"grpc {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
+                await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "grpc warm-up")
+                for in_len, out_len in parse_scenarios(args.grpc_scenarios):
+                    count = args.num_requests if out_len <= 256 else args.num_requests_long
+                    prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
+                    scenario = await _run_requests(submit, prompts, out_len, f"grpc {in_len}/{out_len}")
+                    result["grpc"][f"{in_len}x{out_len}"] = scenario
+                    log(f"grpc {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
 
-            asyncio.run(main())
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- split
@@ -292,10 +300,6 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
     The in-process path runs both in one interpreter, whose lock they share; this
     path keeps the scheduler's Python (planning, updates, streaming) and the
     executor's (inputs, launches) from waiting on each other."""
-    import os
-    import signal
-    import subprocess
-
     from scheduler_svc.api_types import GenerationRequest
     from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
     from scheduler_svc.executor_client import GrpcExecutorConnection
@@ -309,53 +313,43 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
         *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     log_path = Path(args.server_log)
-    log(f"starting {' '.join(cmd)} (log {log_path})")
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            async def main() -> None:
-                connection = GrpcExecutorConnection(f"127.0.0.1:{executor_port}", connect_timeout_s=2.0)
-                deadline = time.monotonic() + args.startup_timeout
-                while True:  # the executor is loading: wait for it, unless it died
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"executor exited: {log_path.read_text()[-3000:]}")
-                    try:
-                        await connection.info()
-                        break
-                    except Exception:
-                        if time.monotonic() > deadline:
-                            raise
-                async_engine = AsyncEngine(connection, Tokenizer(engine_dir), EngineLimits(max_queue_size=1 << 20))
-                await async_engine.start()
+    with service_process(cmd, log_path) as proc:
+        async def main() -> None:
+            connection = GrpcExecutorConnection(f"127.0.0.1:{executor_port}", connect_timeout_s=2.0)
+            deadline = time.monotonic() + args.startup_timeout
+            while True:  # the executor is loading: wait for it, unless it died
+                if proc.poll() is not None:
+                    raise RuntimeError(f"executor exited: {log_path.read_text()[-3000:]}")
                 try:
-                    async def submit(prompt: list[int], output_len: int):
-                        request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
-                        async for chunk in async_engine.generate(request):
-                            yield chunk.token_ids
-
-                    await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "split warm-up")
-                    for in_len, out_len in parse_scenarios(args.split_scenarios):
-                        count = args.num_requests if out_len <= 256 else args.num_requests_long
-                        prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
-                        before, steps = dict(async_engine.host_seconds), async_engine.num_steps
-                        scenario = await _run_requests(submit, prompts, out_len, f"split {in_len}/{out_len}")
-                        steps = async_engine.num_steps - steps
-                        scenario["steps"] = steps
-                        scenario["scheduler_host_ms_per_step"] = {
-                            k: (v - before[k]) * 1e3 / max(steps, 1) for k, v in async_engine.host_seconds.items()}
-                        result["split"][f"{in_len}x{out_len}"] = scenario
-                        log(f"split {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
-                finally:
-                    await async_engine.stop()
-
-            asyncio.run(main())
-        finally:
-            proc.send_signal(signal.SIGTERM)
+                    await connection.info()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+            async_engine = AsyncEngine(connection, Tokenizer(engine_dir), EngineLimits(max_queue_size=1 << 20))
+            await async_engine.start()
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                async def submit(prompt: list[int], output_len: int):
+                    request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
+                    async for chunk in async_engine.generate(request):
+                        yield chunk.token_ids
+
+                await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "split warm-up")
+                for in_len, out_len in parse_scenarios(args.split_scenarios):
+                    count = args.num_requests if out_len <= 256 else args.num_requests_long
+                    prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
+                    before, steps = dict(async_engine.host_seconds), async_engine.num_steps
+                    scenario = await _run_requests(submit, prompts, out_len, f"split {in_len}/{out_len}")
+                    steps = async_engine.num_steps - steps
+                    scenario["steps"] = steps
+                    scenario["scheduler_host_ms_per_step"] = {
+                        k: (v - before[k]) * 1e3 / max(steps, 1) for k, v in async_engine.host_seconds.items()}
+                    result["split"][f"{in_len}x{out_len}"] = scenario
+                    log(f"split {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
+            finally:
+                await async_engine.stop()
+
+        asyncio.run(main())
 
 
 # --------------------------------------------------------------------------- peer
