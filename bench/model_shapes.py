@@ -33,6 +33,15 @@ SHAPES: dict[str, dict] = {
         "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
     },
+    # Not a published model: one tiny layer, so a step's device work costs next to nothing and
+    # what a benchmark measures is the host's share (scheduling, packing, streaming per request).
+    "tiny-host": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 8192, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+    },
 }
 
 

@@ -7,6 +7,9 @@ EOS ignored) runs through the real scheduler and executor:
     joined by the in-process executor connection (what the offline LLM API uses);
   * ``grpc``: ``inflight serve`` (scheduler + executor processes, gRPC between them and
     to the client), driven by the async Python client.
+Clients take each completion whole (one answer per request, as trtllm-bench's default
+and the offline ``LLM.generate`` do); ``--stream`` makes them stream every step's
+tokens instead and adds TTFT and time per output token. Batch 1 always streams.
 
 Example (H200, Llama-3.1-8B shape, random weights):
   python bench/offline_throughput.py --shape llama-3.1-8b --device cuda --output bench/results/h200_offline_llama8b.json
@@ -70,15 +73,20 @@ def build_engine_dir(args) -> tuple[Path, dict]:
 # --------------------------------------------------------------------------- in-process
 
 
-async def _run_requests(submit, prompts: list[list[int]], output_len: int, desc: str) -> dict:
-    """Submit every prompt at once; wall time from the first submit to the last token."""
+async def _run_requests(submit, prompts: list[list[int]], output_len: int, desc: str, stream: bool = True) -> dict:
+    """Submit every prompt at once; wall time from the first submit to the last token.
+
+    ``stream``: each request's tokens come one chunk per step (TTFT and time per output
+    token are measured); otherwise each request answers once, when it finishes (as
+    trtllm-bench does by default), and only its latency is measured.
+    """
     first_token_at: list[float] = []
     token_times: list[list[float]] = []
     with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
         async def one(prompt: list[int]) -> int:
             times: list[float] = []
             count = 0
-            async for token_ids in submit(prompt, output_len):
+            async for token_ids in submit(prompt, output_len, stream):
                 now = time.perf_counter()
                 times.extend([now] * len(token_ids))
                 count += len(token_ids)
@@ -92,11 +100,17 @@ async def _run_requests(submit, prompts: list[list[int]], output_len: int, desc:
         wall = time.perf_counter() - started
     total = sum(counts)
     assert total == len(prompts) * output_len, f"expected {len(prompts) * output_len} tokens, got {total}"
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1]
-    return {
-        "num_requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len,
+    measured = {
+        "num_requests": len(prompts), "input_len": len(prompts[0]), "output_len": output_len, "streaming": stream,
         "wall_s": wall, "output_tokens_per_s": total / wall,
         "total_tokens_per_s": (total + sum(map(len, prompts))) / wall,
+    }
+    if not stream:
+        latency = [(t[-1] - started) * 1e3 for t in token_times]
+        return {**measured, "latency_ms": {"p50": pct(latency, 50), "p99": pct(latency, 99)}}
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in token_times if len(t) > 1]
+    return {
+        **measured,
         "ttft_ms": {"p50": pct([x * 1e3 for x in first_token_at], 50), "p99": pct([x * 1e3 for x in first_token_at], 99)},
         "tpot_ms": {"p50": pct([x * 1e3 for x in tpot], 50), "p99": pct([x * 1e3 for x in tpot], 99)},
     }
@@ -152,8 +166,9 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         return async_engine, executor
 
     def submitter(async_engine: AsyncEngine):
-        async def submit(prompt: list[int], output_len: int):
-            request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        async def submit(prompt: list[int], output_len: int, stream: bool):
+            request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                                        final_only=not stream)
             async for chunk in async_engine.generate(request):
                 yield chunk.token_ids
 
@@ -165,7 +180,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         if timeline is not None:
             timeline.steps.clear()
         before = {**loop_engine.host_seconds, **runner.host_seconds}, loop_engine.num_steps
-        result_ = await _run_requests(submit, prompts, out_len, f"{label} {in_len}/{out_len}")
+        result_ = await _run_requests(submit, prompts, out_len, f"{label} {in_len}/{out_len}", args.stream)
         steps = loop_engine.num_steps - before[1]
         # Where the host's time goes, per step (ms): scheduler loop and executor runner.
         result_["host_ms_per_step"] = {
@@ -276,15 +291,16 @@ def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
                             raise
                     await asyncio.sleep(1.0)
 
-                async def submit(prompt: list[int], output_len: int):
-                    async for chunk in client.generate_stream(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True):
+                async def submit(prompt: list[int], output_len: int, stream: bool):
+                    async for chunk in client.generate_stream(token_ids=prompt, max_tokens=output_len, temperature=0.0,
+                                                              ignore_eos=True, final_only=not stream):
                         yield chunk.token_ids
 
                 await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "grpc warm-up")
                 for in_len, out_len in parse_scenarios(args.grpc_scenarios):
                     count = args.num_requests if out_len <= 256 else args.num_requests_long
                     prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
-                    scenario = await _run_requests(submit, prompts, out_len, f"grpc {in_len}/{out_len}")
+                    scenario = await _run_requests(submit, prompts, out_len, f"grpc {in_len}/{out_len}", args.stream)
                     result["grpc"][f"{in_len}x{out_len}"] = scenario
                     log(f"grpc {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
 
@@ -329,8 +345,9 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
             async_engine = AsyncEngine(connection, Tokenizer(engine_dir), EngineLimits(max_queue_size=1 << 20))
             await async_engine.start()
             try:
-                async def submit(prompt: list[int], output_len: int):
-                    request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True)
+                async def submit(prompt: list[int], output_len: int, stream: bool):
+                    request = GenerationRequest(token_ids=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True,
+                                                final_only=not stream)
                     async for chunk in async_engine.generate(request):
                         yield chunk.token_ids
 
@@ -339,7 +356,7 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
                     count = args.num_requests if out_len <= 256 else args.num_requests_long
                     prompts = synthetic_prompts(count, in_len, in_len * 7 + out_len, config["vocab_size"])
                     before, steps = dict(async_engine.host_seconds), async_engine.num_steps
-                    scenario = await _run_requests(submit, prompts, out_len, f"split {in_len}/{out_len}")
+                    scenario = await _run_requests(submit, prompts, out_len, f"split {in_len}/{out_len}", args.stream)
                     steps = async_engine.num_steps - steps
                     scenario["steps"] = steps
                     scenario["scheduler_host_ms_per_step"] = {
@@ -417,6 +434,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")
     p.add_argument("--switch-interval-ms", type=float, default=0.0,
                    help="the interpreter's thread switch interval (sys.setswitchinterval); 0 = Python's default (5 ms)")
+    p.add_argument("--stream", action="store_true",
+                   help="clients stream every step's tokens (TTFT, TPOT) instead of taking each completion whole")
     p.add_argument("--output", required=True)
     args = p.parse_args(argv)
     default_load_format(args)

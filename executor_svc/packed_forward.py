@@ -91,21 +91,33 @@ def short_chunks_as_rows(
 
 def pack(segments: list[Segment], tokens_per_block: int) -> PackedStep:
     packed = PackedStep()
+    positions, slots, query_start = packed.positions, packed.slots, packed.query_start
+    context_lens, tables, single_rows = packed.context_lens, packed.tables, packed.single_rows
+    block = tokens_per_block
     for seg in segments:
-        end = seg.start + seg.count
-        packed.positions.extend(range(seg.start, end))
-        packed.slots.extend(slot_mapping(seg.block_table, seg.start, end, tokens_per_block))
-        if seg.as_rows or seg.count == 1:
-            for ctx in range(seg.start + 1, end + 1):
-                packed.single_rows.append(len(packed.context_lens))
-                packed.query_start.append(packed.query_start[-1] + 1)
-                packed.context_lens.append(ctx)
-                packed.tables.append(seg.block_table)
+        start, count, table = seg.start, seg.count, seg.block_table
+        if count == 1:  # the generation step of one request: most segments, so kept short
+            single_rows.append(len(context_lens))
+            positions.append(start)
+            slots.append(table[start // block] * block + start % block)
+            query_start.append(query_start[-1] + 1)
+            context_lens.append(start + 1)
+            tables.append(table)
+            continue
+        end = start + count
+        positions.extend(range(start, end))
+        slots.extend(slot_mapping(table, start, end, block))
+        if seg.as_rows:
+            first = len(context_lens)
+            single_rows.extend(range(first, first + count))
+            query_start.extend(range(query_start[-1] + 1, query_start[-1] + count + 1))
+            context_lens.extend(range(start + 1, end + 1))
+            tables.extend([table] * count)
         else:
-            packed.multi_rows.append(len(packed.context_lens))
-            packed.query_start.append(packed.query_start[-1] + seg.count)
-            packed.context_lens.append(end)
-            packed.tables.append(seg.block_table)
+            packed.multi_rows.append(len(context_lens))
+            query_start.append(query_start[-1] + count)
+            context_lens.append(end)
+            tables.append(table)
     return packed
 
 

@@ -178,45 +178,50 @@ class ModelRunner:
         for new in plan.new_requests:
             try:
                 self._add(new)
-                scheduled.append((new.request_id, self.requests[new.request_id], new.num_scheduled_tokens))
             except PlanError as exc:
                 errors[new.request_id] = str(exc)
-        for cached in plan.cached_requests:
-            state = self.requests.get(cached.request_id)
-            if state is None:
-                errors[cached.request_id] = f"request {cached.request_id!r} is unknown to the executor"
                 continue
-            state.block_table.extend(cached.new_block_ids)
+            state = self.requests[new.request_id]
+            problem = self._check_range(state, new.num_scheduled_tokens, 0, self.tokens_per_block, self.engine.max_seq_len)
+            if problem:
+                errors[new.request_id] = problem
+                continue
+            scheduled.append((new.request_id, state, new.num_scheduled_tokens))
+        requests, tokens_per_block, max_seq_len = self.requests, self.tokens_per_block, self.engine.max_seq_len
+        for cached in plan.cached_requests:
+            request_id = cached.request_id
+            state = requests.get(request_id)
+            if state is None:
+                errors[request_id] = f"request {request_id!r} is unknown to the executor"
+                continue
+            if cached.new_block_ids:
+                state.block_table.extend(cached.new_block_ids)
             state.num_drafts_to_propose = min(cached.num_drafts_to_propose, self.max_draft_tokens)
             if cached.num_computed_tokens != state.num_computed_tokens or state.verifying:
-                errors[cached.request_id] = (
+                errors[request_id] = (
                     f"plan says {cached.num_computed_tokens} computed tokens, executor has {state.num_computed_tokens}"
                     + (" and a verification in flight" if state.verifying else "")
                 )
                 continue
+            count = cached.num_scheduled_tokens
             if cached.draft_token_ids:
-                problem = self._check_drafts(state, cached.draft_token_ids, cached.num_scheduled_tokens)
+                problem = self._check_drafts(state, cached.draft_token_ids, count)
                 if problem:
-                    errors[cached.request_id] = problem
+                    errors[request_id] = problem
                     continue
-                drafts[cached.request_id] = list(cached.draft_token_ids)
-            scheduled.append((cached.request_id, state, cached.num_scheduled_tokens))
-        for request_id, state, count in list(scheduled):
-            end = state.num_computed_tokens + count
-            capacity = len(state.block_table) * self.tokens_per_block
-            held = state.num_tokens + len(drafts.get(request_id, ()))
-            if count <= 0 or end > held or end > capacity or end > self.engine.max_seq_len:
-                errors[request_id] = (
-                    f"cannot compute tokens [{state.num_computed_tokens}, {end}): request holds "
-                    f"{held} tokens, its blocks hold {capacity}, max_seq_len is {self.engine.max_seq_len}"
-                )
-                scheduled.remove((request_id, state, count))
+                drafts[request_id] = list(cached.draft_token_ids)
+            problem = self._check_range(state, count, len(cached.draft_token_ids), tokens_per_block, max_seq_len)
+            if problem:
+                errors[request_id] = problem
+                continue
+            scheduled.append((request_id, state, count))
         for request_id in errors:
             self._drop(request_id)
 
         step = LaunchedStep(result=StepResult(step_id=plan.step_id, request_errors=errors), started=started)
         # Context work (several tokens of one query) is packed before generation work and draft chains.
-        scheduled.sort(key=lambda item: item[2] == 1 or item[0] in drafts)
+        if drafts or any(item[2] != 1 for item in scheduled):
+            scheduled.sort(key=lambda item: item[2] == 1 or item[0] in drafts)
         step.scheduled = scheduled
         if scheduled:
             try:
@@ -225,6 +230,19 @@ class ModelRunner:
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
         self.host_seconds["launch"] += time.perf_counter() - started
         return step
+
+    @staticmethod
+    def _check_range(state: RequestState, count: int, num_drafts: int, tokens_per_block: int, max_seq_len: int) -> str:
+        """Why ``count`` more tokens cannot be computed for ``state`` ('' when they can)."""
+        end = state.num_computed_tokens + count
+        capacity = len(state.block_table) * tokens_per_block
+        held = len(state.token_ids) + len(state.pending) + num_drafts
+        if count <= 0 or end > held or end > capacity or end > max_seq_len:
+            return (
+                f"cannot compute tokens [{state.num_computed_tokens}, {end}): request holds "
+                f"{held} tokens, its blocks hold {capacity}, max_seq_len is {max_seq_len}"
+            )
+        return ""
 
     def _check_drafts(self, state: RequestState, draft_ids: list[int], count: int) -> str:
         """Why ``draft_ids`` cannot be verified for ``state`` this step ('' when they can)."""
@@ -275,11 +293,38 @@ class ModelRunner:
             else:  # nothing waited for the GPU (a context chunk with no token to sample): no reading
                 self.timeline.discard()
         num_plain = len(step.sampling_requests)
+        outputs = result.outputs
+        to_draft: list[tuple[RequestOutput, RequestState, int]] = []  # (output, state, its hidden row)
+        if not step.verifications:  # every request got one token or none: the common step, kept short
+            for row, ((request_id, state), token) in enumerate(zip(step.sampling_requests, values)):
+                assert state.pending[0][0] is step, "steps finish in launch order"
+                del state.pending[0]
+                state.token_ids.append(token)
+                state.sampling.append_output((token,))
+                output = RequestOutput(request_id, [token])
+                outputs.append(output)
+                if state.num_drafts_to_propose and not state.pending and not state.sampling.needs_output_history:
+                    to_draft.append((output, state, row))
+            if len(step.scheduled) > num_plain:  # context chunks that sample nothing yet
+                sampled = {request_id for request_id, _ in step.sampling_requests}
+                outputs.extend(RequestOutput(request_id, []) for request_id, _, _ in step.scheduled if request_id not in sampled)
+        else:
+            self._finish_with_verifications(step, values, to_draft)
+        if to_draft:
+            self._propose(step, to_draft)
+        result.step_us = int((time.perf_counter() - step.started) * 1e6)
+        self.host_seconds["finish"] += time.perf_counter() - finish_started
+        return result
+
+    def _finish_with_verifications(
+        self, step: LaunchedStep, values: list[int], to_draft: list[tuple[RequestOutput, RequestState, int]]
+    ) -> None:
+        """``finish`` for a step that verified draft chains: accepted prefixes, rolled-back counts."""
+        num_plain = len(step.sampling_requests)
         num_rows = (len(values) - num_plain) // 2
         row_tokens, row_accepted = values[num_plain : num_plain + num_rows], values[num_plain + num_rows :]
         plain = {rid: (row, token) for row, ((rid, _), token) in enumerate(zip(step.sampling_requests, values))}
         chains = {v.request_id: v for v in step.verifications}
-        to_draft: list[tuple[RequestOutput, RequestState, int]] = []  # (output, state, its hidden row)
         for request_id, state, _ in step.scheduled:
             chain = chains.get(request_id)
             if chain is not None:
@@ -295,19 +340,14 @@ class ModelRunner:
                 state.pending.pop(0)
                 tokens, accepted, hidden_row = [token], 0, row
             else:
-                result.outputs.append(RequestOutput(request_id, []))
+                step.result.outputs.append(RequestOutput(request_id, []))
                 continue
             state.token_ids.extend(tokens)
             state.sampling.append_output(tokens)
             output = RequestOutput(request_id, tokens, num_accepted_drafts=accepted)
-            result.outputs.append(output)
+            step.result.outputs.append(output)
             if state.num_drafts_to_propose and not state.pending and not state.sampling.needs_output_history:
                 to_draft.append((output, state, hidden_row))
-        if to_draft:
-            self._propose(step, to_draft)
-        result.step_us = int((time.perf_counter() - step.started) * 1e6)
-        self.host_seconds["finish"] += time.perf_counter() - finish_started
-        return result
 
     def _propose(self, step: LaunchedStep, to_draft: list[tuple[RequestOutput, RequestState, int]]) -> None:
         """Drafts for the next step of every request that asked for them."""
@@ -342,8 +382,23 @@ class ModelRunner:
         chain_states: list[RequestSamplingState] = []
         # Input tokens still on their way from an earlier step: (token index, that step, its row).
         from_device: list[tuple[int, LaunchedStep, int]] = []
+        sampling_requests = step.sampling_requests
         for request_id, state, count in step.scheduled:
-            start, end = state.num_computed_tokens, state.num_computed_tokens + count
+            start = state.num_computed_tokens
+            known = len(state.token_ids)
+            if count == 1:  # one generation step (never a draft chain): the common case, kept short
+                if start < known:
+                    tokens.append(state.token_ids[start])
+                else:  # sampled by a step whose result is not on the host yet
+                    earlier, earlier_row = state.pending[start - known]
+                    from_device.append((len(tokens), earlier, earlier_row))
+                    tokens.append(0)  # placeholder, overwritten on the device
+                segments.append(Segment(state.block_table, start, 1, False))
+                if start + 1 == known + len(state.pending):  # reached the last token: sample the next
+                    plain_tokens.append(len(tokens) - 1)
+                    sampling_requests.append((request_id, state))
+                continue
+            end = start + count
             chain = drafts.get(request_id)
             if chain is not None:  # the last token, then the drafts: one attention row each
                 step.verifications.append(Verification(request_id, state, chain, len(chain_tokens)))
@@ -354,7 +409,6 @@ class ModelRunner:
                 chain_states.extend([state.sampling] * count)
                 segments.append(Segment(state.block_table, start, count, as_rows=True))
                 continue
-            known = len(state.token_ids)
             tokens.extend(state.token_ids[start:min(end, known)])
             for pos in range(max(start, known), end):
                 earlier, earlier_row = state.pending[pos - known]
@@ -363,7 +417,7 @@ class ModelRunner:
             segments.append(Segment(state.block_table, start, count, as_rows=False))
             if end == state.num_tokens:  # reached the last token: sample the next
                 plain_tokens.append(len(tokens) - 1)
-                step.sampling_requests.append((request_id, state))
+                sampling_requests.append((request_id, state))
         step.num_tokens = len(tokens)
         if self.engine.decode_graphs is not None:
             short_chunks_as_rows(segments, self.engine.decode_graphs.fits, self.max_rows_per_chunk)

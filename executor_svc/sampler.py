@@ -102,7 +102,7 @@ class RequestSamplingState:
         blocking = self.config.min_tokens > 0 and bool(self.config.min_tokens_blocked_ids)
         return self._seen is not None or self._counts is not None or blocking
 
-    def append_output(self, token_ids: list[int]) -> None:
+    def append_output(self, token_ids: Sequence[int]) -> None:
         """Record tokens the request emitted (call once per sampled token, in order)."""
         self._num_output += len(token_ids)
         if self._seen is not None:

@@ -98,15 +98,17 @@ def build_request(
     cache_salt: str = "",
     retain_prefix_tokens: int = 0,
     retention_priority: int = DEFAULT_RETENTION_PRIORITY,
+    final_only: bool = False,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from keyword arguments (exactly one of prompt, token_ids, messages).
 
     ``priority`` (higher first, [-100, 100]) orders admission; ``cache_salt`` keeps
     this request's prefix-cache blocks apart from other salts'; the blocks of the
     first ``retain_prefix_tokens`` tokens stay cached at ``retention_priority``
-    ([0, 100]; ordinary blocks have 35, lower is evicted first).
+    ([0, 100]; ordinary blocks have 35, lower is evicted first). ``final_only``: the
+    server answers once, with the finished completion (what ``generate`` asks for).
     """
-    req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt)
+    req = pb.GenerateRequest(request_id=request_id, priority=priority, cache_salt=cache_salt, final_only=final_only)
     if retain_prefix_tokens:
         req.kv_cache_retention.num_prefix_tokens = retain_prefix_tokens
         req.kv_cache_retention.priority = retention_priority
@@ -178,8 +180,9 @@ class Client:
             call.cancel()  # no-op when the stream ended; frees the request when left early
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Completion:
+        """The whole completion, sent by the server in one response."""
         completion = Completion(request_id="")
-        for chunk in self.generate_stream(prompt, timeout=timeout, **kwargs):
+        for chunk in self.generate_stream(prompt, timeout=timeout, final_only=True, **kwargs):
             completion.add(chunk)
         return completion
 
@@ -226,8 +229,9 @@ class AsyncClient:
             call.cancel()
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Completion:
+        """The whole completion, sent by the server in one response."""
         completion = Completion(request_id="")
-        async for chunk in self.generate_stream(prompt, timeout=timeout, **kwargs):
+        async for chunk in self.generate_stream(prompt, timeout=timeout, final_only=True, **kwargs):
             completion.add(chunk)
         return completion
 

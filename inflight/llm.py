@@ -83,7 +83,9 @@ class RequestOptions:
     kv_cache_retention: KvCacheRetention | None = None  # keep a prefix's blocks cached longer
 
 
-def _request(prompt: Prompt, params: SamplingParams, options: RequestOptions = RequestOptions()) -> GenerationRequest:
+def _request(
+    prompt: Prompt, params: SamplingParams, options: RequestOptions = RequestOptions(), final_only: bool = False,
+) -> GenerationRequest:
     return GenerationRequest(
         text=prompt if isinstance(prompt, str) else None,
         token_ids=None if isinstance(prompt, str) else list(prompt),
@@ -92,7 +94,7 @@ def _request(prompt: Prompt, params: SamplingParams, options: RequestOptions = R
         frequency_penalty=params.frequency_penalty, seed=params.seed, max_tokens=params.max_tokens,
         min_tokens=params.min_tokens, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos, priority=options.priority, cache_salt=options.cache_salt,
-        kv_cache_retention=options.kv_cache_retention,
+        kv_cache_retention=options.kv_cache_retention, final_only=final_only,
     )
 
 
@@ -171,7 +173,8 @@ class LLM:
 
     async def _collect(self, prompt: Prompt, params: SamplingParams, options: RequestOptions) -> RequestOutput:
         text, ids, last = "", [], None
-        async for chunk in self._async_engine.generate(_request(prompt, params, options)):
+        # One chunk per request, when it finishes: the batch is read only at the end.
+        async for chunk in self._async_engine.generate(_request(prompt, params, options, final_only=True)):
             text += chunk.text
             ids += chunk.token_ids
             last = chunk

@@ -48,6 +48,7 @@ class GenerationRequest:
     priority: int = 0  # higher first; in [-100, 100]
     cache_salt: str = ""  # blocks are reused only between requests with the same salt
     kv_cache_retention: KvCacheRetention | None = None
+    final_only: bool = False  # one chunk, when the request finishes, instead of one per step
 
 
 @dataclass(slots=True)

@@ -47,6 +47,18 @@ class IncrementalDetokenizer:
                 break
         return self._take(final=self.stopped)
 
+    def add_all(self, new_token_ids: list[int]) -> str:
+        """Feed tokens and take all the text, for a caller that wants it only at the end.
+
+        Without stop strings this is two decodes in all rather than two per token,
+        and gives what ``add_tokens`` followed by ``flush`` gives.
+        """
+        if self.stop:
+            text = self.add_tokens(new_token_ids)
+            return text + self.flush()
+        self.token_ids.extend(new_token_ids)
+        return self.flush()
+
     def next_windows(self, token: int) -> tuple[list[int], list[int]]:
         """Take one new token; the two windows to decode for it (see ``take_decoded``).
 
@@ -61,7 +73,17 @@ class IncrementalDetokenizer:
         return self._take(final=self.stopped)
 
     def flush(self) -> str:
-        """At the end of a request: everything not yet sent."""
+        """At the end of a request: everything not yet sent.
+
+        Tokens held back because they ended in an incomplete character are decoded
+        once more: their complete characters (a space before a character cut off
+        by the length limit, say) are the request's text too.
+        """
+        if self.read_offset < len(self.token_ids) and not self.stopped:
+            prefix, full = self.tokenizer.decode_batch(
+                [self.token_ids[self.prefix_offset : self.read_offset], self.token_ids[self.prefix_offset :]]
+            )
+            self._apply(prefix, full.rstrip("\ufffd"))
         return self._take(final=True)
 
     def _decode_one(self) -> None:

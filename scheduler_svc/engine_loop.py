@@ -59,17 +59,29 @@ class _Stream:
     A list and, while the reader waits, one future to wake it: lighter than an
     asyncio.Queue (no getter bookkeeping per chunk), and a reader that fell
     behind takes everything that piled up at once.
+
+    A ``final_only`` stream wakes its reader once, with the finished request: a
+    caller that does not stream (the offline API, a unary-style client) costs
+    no task switch per step, and without stop strings no detokenization either.
     """
 
-    __slots__ = ("chunks", "detokenizer", "_waiter")
+    __slots__ = ("chunks", "detokenizer", "final_only", "_waiter")
 
-    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, final_only: bool = False) -> None:
         self.chunks: list[GenerationChunk] = []
         self.detokenizer = detokenizer
+        self.final_only = final_only
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def decodes_each_step(self) -> bool:
+        """Whether a step's tokens are detokenized as they come (to stream them, or to find stop strings)."""
+        return not self.final_only or bool(self.detokenizer.stop)
 
     def put(self, chunk: GenerationChunk) -> None:
         self.chunks.append(chunk)
+        if self.final_only and chunk.finish_reason is None:
+            return  # the reader wakes for the finished request only
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():  # done: its reader was cancelled
             waiter.set_result(None)
@@ -183,7 +195,7 @@ class AsyncEngine:
         if len(self.scheduler.waiting) >= self.limits.max_queue_size:
             raise QueueFull(f"{len(self.scheduler.waiting)} requests are waiting (max_queue_size={self.limits.max_queue_size})")
         self._streams[request.request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stopping.stop)
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stopping.stop), req.final_only
         )
         self.scheduler.add_request(request)
         self._wake.set()
@@ -288,7 +300,8 @@ class AsyncEngine:
         chosen: list[tuple[str, IncrementalDetokenizer, int]] = []
         for update in updates:
             stream = self._streams.get(update.request.request_id)
-            if stream is not None and len(update.new_token_ids) == 1 and not stream.detokenizer.stopped:
+            if (stream is not None and len(update.new_token_ids) == 1 and not stream.detokenizer.stopped
+                    and stream.decodes_each_step):
                 chosen.append((update.request.request_id, stream.detokenizer, update.new_token_ids[0]))
         if not chosen:
             return {}
@@ -306,19 +319,26 @@ class AsyncEngine:
         if stream is None:
             return
         detok = stream.detokenizer
-        if text is None:
-            text = detok.add_tokens(update.new_token_ids)
         reason = update.finish_reason
-        if reason is None and detok.stopped:  # a stop string matched
-            reason = FinishReason.STOP
-            self.scheduler.finish_request(request.request_id, reason)  # type: ignore[union-attr]
-        if reason is None:
-            stream.put(GenerationChunk(request.request_id, update.new_token_ids, text))
-            return
-        text += detok.flush() if reason is not FinishReason.STOP else ""
+        token_ids = update.new_token_ids
+        if not stream.decodes_each_step:
+            if reason is None:
+                return  # the scheduler's request keeps the tokens; its text is decoded once, at the end
+            token_ids = list(request.output_token_ids)
+            text = detok.add_all(token_ids)
+        else:
+            if text is None:
+                text = detok.add_tokens(token_ids)
+            if reason is None and detok.stopped:  # a stop string matched
+                reason = FinishReason.STOP
+                self.scheduler.finish_request(request.request_id, reason)  # type: ignore[union-attr]
+            if reason is None:
+                stream.put(GenerationChunk(request.request_id, token_ids, text))
+                return
+            text += detok.flush() if reason is not FinishReason.STOP else ""
         stream.put(
             GenerationChunk(
-                request.request_id, update.new_token_ids, text, finish_reason=reason,
+                request.request_id, token_ids, text, finish_reason=reason,
                 usage=Usage(
                     request.num_prompt_tokens, len(request.output_token_ids), request.num_cached_tokens,
                     request.not_reused, request.num_preemptions,

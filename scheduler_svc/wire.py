@@ -55,6 +55,7 @@ def generation_request_from_pb(msg: pb.GenerateRequest) -> GenerationRequest:
     req.ignore_eos = t.ignore_eos
     req.priority = msg.priority
     req.cache_salt = msg.cache_salt
+    req.final_only = msg.final_only
     if msg.HasField("kv_cache_retention"):
         r = msg.kv_cache_retention
         req.kv_cache_retention = KvCacheRetention(num_prefix_tokens=r.num_prefix_tokens, priority=r.priority)

@@ -66,3 +66,31 @@ def test_batched_decoding_streams_the_same_pieces(tokenizer, stop):
             assert batched[i].take_decoded(decoded[2 * k], decoded[2 * k + 1]) == one_by_one[i].add_tokens([streams[i][position]])
     assert [d.flush() for d in batched] == [d.flush() for d in one_by_one]
     assert [d.stopped for d in batched] == [d.stopped for d in one_by_one]
+
+
+def test_flush_releases_the_complete_text_of_held_back_tokens(tokenizer):
+    """A request cut off inside a character still gets the characters before it (here the space)."""
+    ids = tokenizer.encode("naïve 🎉")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    sent = "".join(detok.add_tokens([t]) for t in ids[:-1])  # the emoji's last byte never comes
+    assert sent + detok.flush() == "naïve "
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_whole_output_at_once_equals_token_by_token(tokenizer, seed):
+    """``add_all`` (two decodes) gives the text of ``add_tokens`` per token plus ``flush``, also for
+    random ids that break characters anywhere, and for text cut at any token."""
+    import random
+
+    rng = random.Random(seed)
+    text_ids = tokenizer.encode(" ".join(TEXTS) * 2)
+    for trial in range(150):
+        if trial % 2:
+            prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(12))]
+            output = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 40))]
+        else:
+            cut = rng.randrange(len(text_ids))
+            prompt, output = text_ids[:cut], text_ids[cut : rng.randrange(cut + 1, len(text_ids) + 1)]
+        by_token = IncrementalDetokenizer(tokenizer, prompt)
+        expected = "".join(by_token.add_tokens([t]) for t in output) + by_token.flush()
+        assert IncrementalDetokenizer(tokenizer, prompt).add_all(output) == expected, (prompt[-5:], output)

@@ -82,3 +82,28 @@ def test_min_tokens_and_ignore_eos_are_honoured(make_async_engine, tokenizer):
             await engine.stop()
 
     run_async(run())
+
+
+def test_final_only_requests_get_one_chunk_equal_to_the_stream(make_async_engine):
+    """A non-streaming caller gets the same tokens and text as a streaming one, in one chunk,
+    with and without stop strings (which still end the request where the stream would)."""
+    async def run():
+        engine = await make_async_engine()
+        try:
+            prompt = "Once upon a time, in a small village,"
+            streamed = [c async for c in engine.generate(GenerationRequest(text=prompt, max_tokens=40, temperature=0.0))]
+            assert len(streamed) > 1
+            text = "".join(c.text for c in streamed)
+            for stop in ([], [text.split()[3]]):
+                plain = [c async for c in engine.generate(GenerationRequest(text=prompt, max_tokens=40, temperature=0.0, stop=stop))]
+                final = [c async for c in engine.generate(
+                    GenerationRequest(text=prompt, max_tokens=40, temperature=0.0, stop=stop, final_only=True))]
+                assert len(final) == 1 and final[0].finish_reason is plain[-1].finish_reason
+                assert final[0].token_ids == [t for c in plain for t in c.token_ids]
+                assert final[0].text == "".join(c.text for c in plain)
+                assert final[0].usage.completion_tokens == plain[-1].usage.completion_tokens
+            assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+        finally:
+            await engine.stop()
+
+    run_async(run())

@@ -54,6 +54,15 @@ def test_sixteen_concurrent_streams_match_hf(server, hf_reference):
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_final_only_answers_in_one_response(server, hf_reference):
+    with Client(server) as client:
+        responses = list(client.generate_stream(PROMPTS[0], max_tokens=MAX_NEW_TOKENS, temperature=0.0, final_only=True))
+        streamed = client.generate_stream(PROMPTS[0], max_tokens=MAX_NEW_TOKENS, temperature=0.0)
+        text = "".join(c.text for c in streamed)
+    assert len(responses) == 1 and responses[0].token_ids == hf_reference[0]
+    assert responses[0].text == text and responses[0].finish_reason in ("length", "eos")
+
+
 def test_tokenize_and_model_info(server, tokenizer):
     with Client(server) as client:
         assert client.tokenize("Hello world") == tokenizer.encode("Hello world")

@@ -35,6 +35,40 @@ def test_chunks_stay_tiles_when_rows_would_not_help():
     assert not short_chunks_as_rows(segments((9, 1, False), (3, 2, True)), always)  # nothing to change
 
 
+def test_pack_lays_out_tokens_and_attention_rows():
+    """Against a direct reading of the layout rules, for random mixes of the three kinds of segment."""
+    import random
+
+    rng = random.Random(0)
+    block = 4
+    for _ in range(200):
+        segs = []
+        for _ in range(rng.randrange(1, 8)):
+            count = rng.choice([1, 1, rng.randrange(2, 10)])
+            start = rng.randrange(30)
+            table = rng.sample(range(100), -(-(start + count) // block) + rng.randrange(3))
+            segs.append(Segment(table, start, count, as_rows=rng.random() < 0.5))
+        packed = pack(segs, block)
+        positions, slots, context_lens, tables, single, multi, query_start = [], [], [], [], [], [], [0]
+        for seg in segs:
+            for pos in range(seg.start, seg.start + seg.count):
+                positions.append(pos)
+                slots.append(seg.block_table[pos // block] * block + pos % block)
+            if seg.as_rows or seg.count == 1:  # one attention row per token, each seeing up to itself
+                for pos in range(seg.start, seg.start + seg.count):
+                    single.append(len(context_lens))
+                    context_lens.append(pos + 1)
+                    tables.append(seg.block_table)
+                    query_start.append(query_start[-1] + 1)
+            else:  # one row for the chunk
+                multi.append(len(context_lens))
+                context_lens.append(seg.start + seg.count)
+                tables.append(seg.block_table)
+                query_start.append(query_start[-1] + seg.count)
+        assert (packed.positions, packed.slots, packed.context_lens, packed.tables) == (positions, slots, context_lens, tables)
+        assert (packed.single_rows, packed.multi_rows, packed.query_start) == (single, multi, query_start)
+
+
 @torch.inference_mode()
 def test_a_chunk_as_rows_gives_the_tile_logits(engine):
     """A prompt's prefix in the cache, then its last 12 tokens computed both ways (real weights)."""
