@@ -118,7 +118,9 @@ class ModelRunner:
         self.timeline = StepTimeline(self.device) if self.device.type == "cuda" else None
         # Host seconds spent launching steps (inputs, kernel launches) and finishing them
         # (apart from waiting for the GPU): the executor's share of the time between steps.
+        # Wall time, and this thread's CPU time (the difference: waits for the interpreter lock).
         self.host_seconds = {"launch": 0.0, "finish": 0.0, "draft": 0.0}
+        self.host_cpu_seconds = dict.fromkeys(self.host_seconds, 0.0)
 
     # -- state ---------------------------------------------------------------
 
@@ -166,8 +168,14 @@ class ModelRunner:
                 return True
         return False
 
+    def _spent(self, phase: str, started: float, cpu: float) -> float:
+        spent = time.perf_counter() - started
+        self.host_seconds[phase] += spent
+        self.host_cpu_seconds[phase] += time.thread_time() - cpu
+        return spent
+
     def launch(self, plan: StepPlan) -> LaunchedStep:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         if plan.swap_out or plan.swap_in:  # host-tier copies, before this step writes or reads those blocks
             self.engine.kv_offload.copy_blocks(plan.swap_out, plan.swap_in)
         for request_id in plan.finished_request_ids:
@@ -228,7 +236,7 @@ class ModelRunner:
                 self._launch(step, drafts)
             except Exception as exc:  # a failed forward fails its batch, not the executor
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
-        self.host_seconds["launch"] += time.perf_counter() - started
+        self._spent("launch", started, cpu)
         return step
 
     @staticmethod
@@ -265,12 +273,12 @@ class ModelRunner:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""
         result = step.result
         values: list[int] = []
-        finish_started = time.perf_counter()
+        finish_started, cpu = time.perf_counter(), time.thread_time()
         if not step.error and step.host_values is not None:
             try:
                 if step.done is not None:
                     step.done.synchronize()  # the step's one wait for the device
-                    finish_started = time.perf_counter()
+                    finish_started, cpu = time.perf_counter(), time.thread_time()
                     values = step.sampled_host.tolist()
                 else:
                     values = step.host_values.tolist()
@@ -313,7 +321,7 @@ class ModelRunner:
         if to_draft:
             self._propose(step, to_draft)
         result.step_us = int((time.perf_counter() - step.started) * 1e6)
-        self.host_seconds["finish"] += time.perf_counter() - finish_started
+        self._spent("finish", finish_started, cpu)
         return result
 
     def _finish_with_verifications(
@@ -351,7 +359,7 @@ class ModelRunner:
 
     def _propose(self, step: LaunchedStep, to_draft: list[tuple[RequestOutput, RequestState, int]]) -> None:
         """Drafts for the next step of every request that asked for them."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         hidden = None
         if self.proposer.needs_hidden and step.hidden is not None:
             hidden = step.hidden.index_select(0, to_device([row for _, _, row in to_draft], torch.int64, self.device))
@@ -367,9 +375,7 @@ class ModelRunner:
             proposals = [[] for _ in requests]
         for (output, _, _), proposal in zip(to_draft, proposals):
             output.next_draft_token_ids = proposal
-        spent = time.perf_counter() - started
-        step.result.draft_us = int(spent * 1e6)
-        self.host_seconds["draft"] += spent
+        step.result.draft_us = int(self._spent("draft", started, cpu) * 1e6)
 
     @torch.inference_mode()
     def _launch(self, step: LaunchedStep, drafts: dict[str, list[int]]) -> None:

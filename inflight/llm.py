@@ -26,6 +26,7 @@ from executor_svc.build_config import BuildConfig
 from executor_svc.engine import RuntimeConfig, load_engine
 from executor_svc.speculative.proposer import SpeculativeConfig
 from inflight.engines import prepare_engine
+from inflight.gc_tuning import release_garbage_collector, settle_garbage_collector
 from inflight.inprocess import InProcessExecutor
 from kvcache.eviction_queue import KvCacheRetention
 from kvcache.reuse_stats import NotReusedTokens
@@ -139,6 +140,7 @@ class LLM:
         )
         self._async_engine = AsyncEngine(InProcessExecutor(self._engine), self.tokenizer, limits)
         self._call(self._async_engine.start())
+        settle_garbage_collector()
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -236,6 +238,7 @@ class LLM:
             self._call(self._async_engine.stop())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
+            release_garbage_collector()  # what this engine froze may be collected again
 
     def __enter__(self) -> LLM:
         return self

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from executor_svc.engine_file import is_engine_dir
 from inflight.engines import build_config_from_args, prepare_engine
+from inflight.gc_tuning import settle_garbage_collector
 
 log = logging.getLogger("inflight")
 
@@ -42,6 +43,7 @@ def run_executor(args: argparse.Namespace) -> None:
     )
     engine = load_engine(engine_dir, runtime)
     server, runner = serve_executor(engine, f"{args.host}:{args.port}")
+    settle_garbage_collector()
 
     def shutdown(*_: object) -> None:
         server.stop(grace=2)
@@ -71,6 +73,7 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     )
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()
+    settle_garbage_collector()
     server = await start_scheduler_server(engine, f"{args.host}:{args.port}")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -164,9 +164,10 @@ class KVCacheManager:
         Draws on the request's reservation first, then on unreserved free blocks.
         """
         entry = self._tables[request_id]
-        missing = blocks_for_tokens(num_tokens, self.tokens_per_block) - len(entry.block_ids)
-        if missing <= 0:
-            return []
+        num_held = len(entry.block_ids)
+        if num_tokens <= num_held * self.tokens_per_block:
+            return []  # the common case (a generation step within its last block): no division needed
+        missing = blocks_for_tokens(num_tokens, self.tokens_per_block) - num_held
         from_reservation = min(missing, entry.reserved)
         if missing - from_reservation > self.num_free_blocks:
             return None
@@ -179,15 +180,22 @@ class KVCacheManager:
     def cache_computed_blocks(
         self, request_id: str, hashes: BlockHashes, num_computed_tokens: int,
         prompt_token_ids: Sequence[int], output_token_ids: Sequence[int] = (),
-    ) -> None:
-        """Make the request's full, computed blocks reusable by others (cheap when no block filled)."""
+    ) -> int:
+        """Make the request's full, computed blocks reusable by others (cheap when no block filled).
+
+        Returns how many leading blocks of the request's table are registered now (0 without a
+        table). Until the table is freed that count only grows, so a later call with no more full
+        computed blocks than it does nothing: callers may skip it.
+        """
         entry = self._tables.get(request_id)
-        if entry is None or not self.enable_prefix_caching:
-            return
+        if entry is None:
+            return 0
+        if not self.enable_prefix_caching:
+            return entry.num_registered
         block = self.tokens_per_block
         num_full = min(num_computed_tokens // block, len(entry.block_ids))
         if num_full <= entry.num_registered:
-            return
+            return entry.num_registered
         token_ids = [*prompt_token_ids, *output_token_ids][: num_full * block]
         hashes.extend(token_ids)
         for index in range(entry.num_registered, num_full):
@@ -201,6 +209,7 @@ class KVCacheManager:
                 tokens = token_ids[index * block : (index + 1) * block]
                 self.explainer.cached(MissedBlock(block_hash, hashes.content_hashes[index], hashes.parent_key(index), tokens))
         entry.num_registered = num_full
+        return num_full
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks (full computed ones stay cached) and what is left of its reservation."""

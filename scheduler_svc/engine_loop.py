@@ -108,7 +108,10 @@ class AsyncEngine:
         self.num_steps = 0
         # Host seconds the step loop spent planning, applying results and streaming them:
         # with overlap, the GPU waits only when these (plus the executor's) exceed a step.
+        # Wall time, and this thread's CPU time: the difference is time spent waiting for
+        # the interpreter lock while another thread (the in-process executor) held it.
         self.host_seconds = {"schedule": 0.0, "update": 0.0, "deliver": 0.0}
+        self.host_cpu_seconds = dict.fromkeys(self.host_seconds, 0.0)
 
     async def start(self) -> None:
         await self._attach()
@@ -267,29 +270,33 @@ class AsyncEngine:
                 await self._executor_lost(str(exc) if isinstance(exc, ExecutorUnavailable) else f"step failed: {type(exc).__name__}: {exc}")
                 continue
             self.num_steps += 1
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             # What the step cost in wall time: from the previous result (overlapped) or from
             # its planning (one step at a time, or after idling) to its result.
             period, last_result_at = started - max(last_result_at, planned_at), started
             updates = scheduler.update(result, period, overlapped)
-            self.host_seconds["update"] += time.perf_counter() - started
+            self._spent("update", started, cpu)
             if len(in_flight) < depth and scheduler.has_work:
                 # The next plan goes out before this step's tokens are streamed, so the executor
                 # launches it while this thread detokenizes and wakes the readers: the plan needs
                 # this result's state, not its text. (A request that a stop string finishes below
                 # was planned once more; that step's output for it is dropped, as for a cancel.)
                 self._send_next(in_flight)
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
             texts = self._detokenize(updates)
             for update in updates:
                 self._deliver(update, texts.get(update.request.request_id))
-            self.host_seconds["deliver"] += time.perf_counter() - started
+            self._spent("deliver", started, cpu)
+
+    def _spent(self, phase: str, started: float, cpu: float) -> None:
+        self.host_seconds[phase] += time.perf_counter() - started
+        self.host_cpu_seconds[phase] += time.thread_time() - cpu
 
     def _send_next(self, in_flight: deque) -> bool:
         """Plan a step and send it; False when nothing could be scheduled."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         plan = self.scheduler.schedule()  # type: ignore[union-attr]
-        self.host_seconds["schedule"] += time.perf_counter() - started
+        self._spent("schedule", started, cpu)
         if plan.is_empty:
             return False
         in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started, bool(in_flight)))

@@ -75,6 +75,9 @@ class Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    # Leading full blocks of its current block table already offered to the prefix cache (as the
+    # KV cache last reported it): until more blocks are full and computed, there is nothing to offer.
+    num_registered_blocks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,10 +112,12 @@ class Request:
     def check_token_stop(self, token: int) -> FinishReason | None:
         """Stop conditions decided by token ids alone (stop strings need text)."""
         num_output = len(self.output_token_ids)
-        if token in self.stopping.stop_token_ids and num_output >= self.stopping.min_tokens:
-            return FinishReason.STOP
-        if not self.stopping.ignore_eos and token in self.eos_token_ids and num_output >= self.stopping.min_tokens:
-            return FinishReason.EOS
-        if num_output >= self.stopping.max_tokens:
+        stopping = self.stopping
+        if num_output >= stopping.min_tokens:
+            if token in stopping.stop_token_ids:
+                return FinishReason.STOP
+            if not stopping.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.EOS
+        if num_output >= stopping.max_tokens:
             return FinishReason.LENGTH
         return None

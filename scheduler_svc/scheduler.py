@@ -41,7 +41,9 @@ load keeps speculation off).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from kvcache.block_hash import BlockHashes, BlockKeys
 from kvcache.manager import KVCacheManager
@@ -79,6 +81,9 @@ class _Step:
     token_budget: int
     chosen: dict[str, _Scheduled] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+
+
+_priority_of = attrgetter("priority")
 
 
 def _victim_order(request: Request) -> tuple[int, int, float]:
@@ -151,37 +156,59 @@ class Scheduler:
         return self._build_plan(step)
 
     def _schedule_running(self, step: _Step) -> None:
-        # By priority; within one, generation work (one missing token) before context in progress.
-        order = sorted(self.running, key=lambda r: (-r.priority, r.num_tokens - r.num_computed_tokens > 1))
+        order = self._running_order()
         draft_length, drafts_of = self._choose_draft_length(order)
+        max_seq_len = self.config.max_seq_len
+        speculating = bool(self.config.max_draft_tokens)
+        allocate_slots = self.kv.allocate_slots
+        chosen = step.chosen
+        running = RequestStatus.RUNNING
         for request in order:
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this step
             if request.num_scheduled_drafts:
                 continue  # its drafts are being verified: its length is unknown until the result
-            held = request.num_tokens + request.num_pending_outputs
-            if request.num_pending_outputs and (
-                len(request.output_token_ids) + request.num_pending_outputs >= request.stopping.max_tokens
-                or held >= self.config.max_seq_len
-            ):
+            num_output = len(request.output_token_ids)
+            pending = request.num_pending_outputs
+            held = len(request.prompt_token_ids) + num_output + pending
+            if pending and (num_output + pending >= request.stopping.max_tokens or held >= max_seq_len):
                 continue  # its last token is already on its way
-            drafts = drafts_of.get(request.request_id, [])[:max(0, min(draft_length, step.token_budget - 1))]
-            count = 1 + len(drafts) if drafts else self._chunk(held - request.num_computed_tokens, step.token_budget)
-            if count == 0:
-                continue
-            propose, lookahead = self._propose_for(request, request.num_computed_tokens + count, held)
-            need = request.num_computed_tokens + count + lookahead
-            new_blocks = self.kv.allocate_slots(request.request_id, need)
+            request_id = request.request_id
+            computed = request.num_computed_tokens
+            budget = step.token_budget
+            drafts = drafts_of.get(request_id, [])[:max(0, min(draft_length, budget - 1))] if drafts_of else []
+            if drafts:
+                count = 1 + len(drafts)
+            else:
+                missing = held - computed
+                count = missing if missing <= budget else self._chunk(missing, budget)
+                if count == 0:
+                    continue
+            if speculating:
+                propose, lookahead = self._propose_for(request, computed + count, held)
+            else:
+                propose = lookahead = 0
+            need = computed + count + lookahead
+            new_blocks = allocate_slots(request_id, need)
             while new_blocks is None:  # no free block: MAX_UTILIZATION preempts (the other policy reserved them)
                 assert not self.guaranteed, "a GUARANTEED_NO_EVICT request ran out of reserved blocks"
                 victim = min(self.running, key=_victim_order)
                 self._preempt(victim, step)
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request.request_id, need)
+                new_blocks = allocate_slots(request_id, need)
             if new_blocks is not None:
-                step.chosen[request.request_id] = _Scheduled(request, count, new_blocks, drafts, propose)
+                chosen[request_id] = _Scheduled(request, count, new_blocks, drafts, propose)
                 step.token_budget -= count
+
+    def _running_order(self) -> list[Request]:
+        """By priority; within one, generation work (one missing token) before context in progress."""
+        running = self.running
+        in_context = [len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens > 1 for r in running]
+        if True not in in_context and len(set(map(_priority_of, running))) <= 1:
+            return list(running)  # the steady state: all in generation at one priority, sorting keeps the order
+        keys = [(-r.priority, context) for r, context in zip(running, in_context)]
+        return [running[i] for i in sorted(range(len(keys)), key=keys.__getitem__)]
 
     # -- speculative decoding ----------------------------------------------------
 
@@ -256,6 +283,7 @@ class Scheduler:
                 request.num_cached_tokens = num_cached
                 request.not_reused = self.kv.explain_prompt(hashes, request.prompt_token_ids, hit.num_blocks)
             request.num_computed_tokens = num_cached
+            request.num_registered_blocks = 0  # a new block table: what it holds is learnt at the next result
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.chosen[request.request_id] = _Scheduled(request, count, [], propose=propose)
@@ -293,40 +321,34 @@ class Scheduler:
 
     def _build_plan(self, step: _Step) -> StepPlan:
         self._step_id += 1
-        plan = StepPlan(step_id=self._step_id, finished_request_ids=list(self._dropped_ids))
+        step_id = self._step_id
+        plan = StepPlan(step_id=step_id, finished_request_ids=list(self._dropped_ids))
+        cached_requests = plan.cached_requests
+        sampled: list[str] = []  # requests this step samples a token for
         for item in step.chosen.values():
             request = item.request
+            num_drafts = len(item.drafts)
             if not request.sent_to_executor:
-                plan.new_requests.append(
-                    NewRequest(
-                        request_id=request.request_id,
-                        token_ids=request.all_token_ids,
-                        num_prompt_tokens=request.num_prompt_tokens,
-                        num_computed_tokens=request.num_computed_tokens,
-                        num_scheduled_tokens=item.num_tokens,
-                        block_ids=list(self.kv.block_table(request.request_id)),
-                        sampling=request.sampling,
-                        num_drafts_to_propose=item.propose,
-                    )
-                )
+                plan.new_requests.append(self._new_request(item))
                 request.sent_to_executor = True
             else:
-                plan.cached_requests.append(
+                cached_requests.append(
                     CachedRequest(
-                        request_id=request.request_id,
-                        num_computed_tokens=request.num_computed_tokens,
-                        num_scheduled_tokens=item.num_tokens,
-                        new_block_ids=item.new_blocks,
-                        draft_token_ids=item.drafts,
-                        num_drafts_to_propose=item.propose,
+                        request.request_id, request.num_computed_tokens, item.num_tokens, item.new_blocks,
+                        item.drafts, item.propose,
                     )
                 )
-            request.num_computed_tokens += item.num_tokens
-            request.num_scheduled_drafts = len(item.drafts)
-            request.draft_token_ids = []  # used now, or stale after this step
-            if request.num_computed_tokens - len(item.drafts) == request.num_tokens + request.num_pending_outputs:
-                request.num_pending_outputs += 1  # this step samples its next token (and judges its drafts)
-                self._sampling.setdefault(plan.step_id, []).append(request.request_id)
+            computed = request.num_computed_tokens + item.num_tokens
+            request.num_computed_tokens = computed
+            request.num_scheduled_drafts = num_drafts
+            if request.draft_token_ids:
+                request.draft_token_ids = []  # used now, or stale after this step
+            pending = request.num_pending_outputs
+            if computed - num_drafts == len(request.prompt_token_ids) + len(request.output_token_ids) + pending:
+                request.num_pending_outputs = pending + 1  # this step samples its next token (and judges its drafts)
+                sampled.append(request.request_id)
+        if sampled:
+            self._sampling[step_id] = sampled
         if self.config.max_draft_tokens and not plan.new_requests and all(
             item.num_tokens == 1 + len(item.drafts) for item in step.chosen.values()
         ):  # a generation step: what the draft-length policy learns step costs from
@@ -338,6 +360,20 @@ class Scheduler:
             # An empty plan is not sent to the executor: its drops ride along with the next one.
             self._dropped_ids = []
         return plan
+
+    def _new_request(self, item: _Scheduled) -> NewRequest:
+        """Everything the executor needs about a request it does not hold (yet, or again)."""
+        request = item.request
+        return NewRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            num_scheduled_tokens=item.num_tokens,
+            block_ids=list(self.kv.block_table(request.request_id)),
+            sampling=request.sampling,
+            num_drafts_to_propose=item.propose,
+        )
 
     def _judged(self, request: Request, accepted: int) -> None:
         """A step verified ``request``'s drafts and accepted ``accepted`` of them."""
@@ -374,8 +410,9 @@ class Scheduler:
         seconds = seconds if seconds is not None else result.step_us / 1e6
         if tokens is not None and seconds > 0:
             self.draft_policy.observe(tokens, seconds, overlapped, result.step_us / 1e6)
-        for request_id in self._sampling.pop(result.step_id, []):
-            request = self.requests.get(request_id)
+        requests = self.requests
+        for request_id in self._sampling.pop(result.step_id, ()):
+            request = requests.get(request_id)
             if request is not None and request.num_pending_outputs > 0:
                 request.num_pending_outputs -= 1
         for request_id, message in result.request_errors.items():
@@ -384,32 +421,62 @@ class Scheduler:
                 # The executor already dropped its state.
                 self._dropped_ids = [r for r in self._dropped_ids if r != request_id]
                 updates.append(RequestUpdate(request, [], FinishReason.ERROR))
+        caching = self.kv.enable_prefix_caching
+        tokens_per_block = self.config.tokens_per_block
+        max_seq_len = self.config.max_seq_len
+        running = RequestStatus.RUNNING
         for output in result.outputs:
-            request = self.requests.get(output.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(output.request_id)
+            if request is None or request.status is not running:
                 continue  # finished (e.g. cancelled) while the step ran
             if request.num_scheduled_drafts:
                 self._judged(request, output.num_accepted_drafts)
-            request.draft_token_ids = list(output.next_draft_token_ids)
+            next_drafts = output.next_draft_token_ids
+            if len(next_drafts) or request.draft_token_ids:  # else it keeps its empty list
+                request.draft_token_ids = list(next_drafts)
+            output_token_ids = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
             # The step is done: its full blocks may serve other requests from now on.
-            assert request.block_hashes is not None
             # Up to the tokens known here: a later step in flight may have computed more.
-            self.kv.cache_computed_blocks(
-                request.request_id, request.block_hashes, min(request.num_computed_tokens, request.num_tokens),
-                request.prompt_token_ids, request.output_token_ids,
-            )
-            accepted: list[int] = []
-            reason = None
-            for token in output.token_ids:
-                request.output_token_ids.append(token)
-                accepted.append(token)
+            known = num_prompt + len(output_token_ids)
+            if request.num_computed_tokens < known:
+                known = request.num_computed_tokens
+            # Most steps fill no block: the KV cache would find nothing new, so it is not asked.
+            if caching and known // tokens_per_block > request.num_registered_blocks:
+                self._cache_computed_blocks(request, known)
+            token_ids = output.token_ids
+            if len(token_ids) == 1:  # the common case (no drafts), without a loop
+                token = token_ids[0]
+                output_token_ids.append(token)
+                accepted = [token]
                 reason = request.check_token_stop(token)
-                if reason is None and request.num_tokens >= self.config.max_seq_len:
+                if reason is None and num_prompt + len(output_token_ids) >= max_seq_len:
                     reason = FinishReason.LENGTH
-                if reason is not None:
-                    break
+            else:
+                accepted, reason = self._append_tokens(request, token_ids)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
             if accepted or reason is not None:
                 updates.append(RequestUpdate(request, accepted, reason))
         return updates
+
+    def _append_tokens(self, request: Request, token_ids: Sequence[int]) -> tuple[list[int], FinishReason | None]:
+        """Append a step's tokens to the request up to the first that stops it: (those appended, why it stops)."""
+        accepted: list[int] = []
+        reason = None
+        for token in token_ids:
+            request.output_token_ids.append(token)
+            accepted.append(token)
+            reason = request.check_token_stop(token)
+            if reason is None and request.num_tokens >= self.config.max_seq_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
+        return accepted, reason
+
+    def _cache_computed_blocks(self, request: Request, num_computed: int) -> None:
+        """Offer the request's full blocks among its first ``num_computed`` tokens to the prefix cache."""
+        assert request.block_hashes is not None
+        request.num_registered_blocks = self.kv.cache_computed_blocks(
+            request.request_id, request.block_hashes, num_computed, request.prompt_token_ids, request.output_token_ids,
+        )

@@ -227,3 +227,20 @@ def test_guaranteed_no_evict_reservation_counts_reused_blocks_once():
     kv.admit("b", hit, 13, lifetime_tokens=24)
     assert kv.num_free_blocks == 0
     assert kv.allocate_slots("b", 24) is not None  # the reservation holds
+
+
+def test_allocate_slots_grows_only_past_the_last_block_and_cache_reports_registered_blocks():
+    kv = _Manager(num_blocks=8, tokens_per_block=4)
+    tokens = list(range(300, 310))
+    hashes = hashes_of(tokens, block=4)
+    kv.admit("a", kv.find_cached_prefix(hashes, 10), 10)
+    assert len(kv.block_table("a")) == 3
+    assert kv.allocate_slots("a", 12) == []  # still within its last block
+    (grown,) = kv.allocate_slots("a", 13)
+    assert kv.block_table("a")[-1] == grown
+    # The count of registered blocks: what a caller may skip the next call by.
+    assert kv.cache_computed_blocks("a", hashes, 7, tokens) == 1
+    assert kv.cache_computed_blocks("a", hashes, 7, tokens) == 1
+    assert kv.cache_computed_blocks("a", hashes, 10, tokens) == 2
+    assert kv.cache_computed_blocks("missing", hashes, 10, tokens) == 0
+    assert not kv.check_consistency()

@@ -50,3 +50,21 @@ def test_build_save_and_reload_engine(model_dir, tmp_path, hf_reference):
     with LLM(engine_dir=saved, device=TEST_DEVICE, kv_cache_gb=0.1) as second:
         b = second.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     assert [o.token_ids for o in a] == [o.token_ids for o in b] == hf_reference[:3]
+
+
+def test_a_running_engine_keeps_long_lived_objects_out_of_the_collector(llm):
+    """While an engine runs, what it loaded is frozen (not re-scanned by every full collection)
+    and young collections are rare; releasing hands everything back to the collector."""
+    import gc
+
+    from inflight.gc_tuning import MIN_GEN0_THRESHOLD, release_garbage_collector, settle_garbage_collector
+
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= MIN_GEN0_THRESHOLD
+    settle_garbage_collector()  # a second engine comes and goes: the first keeps its settings
+    release_garbage_collector()
+    assert gc.get_freeze_count() > 0 and gc.get_threshold()[0] >= MIN_GEN0_THRESHOLD
+    release_garbage_collector()  # the last one: everything goes back to the collector
+    try:
+        assert gc.get_freeze_count() == 0 and gc.get_threshold()[0] < MIN_GEN0_THRESHOLD
+    finally:
+        settle_garbage_collector()  # the module's engine runs on

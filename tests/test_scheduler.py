@@ -213,3 +213,42 @@ def test_preempted_then_cancelled_request_leaves_nothing_behind():
     plans = run_to_end(s)
     assert all(r.request_id != "low" for p in plans for r in p.new_requests)
     assert s.kv.num_free_blocks == 4 and not s.kv.check_consistency() and not s.requests
+
+
+def test_blocks_filled_by_generation_are_cached_once_full_and_again_after_preemption():
+    s = make_scheduler(tokens_per_block=4, num_kv_blocks=8, capacity_policy=MAX_UTIL)
+    s.add_request(make_request("a", 6, max_tokens=8, first_token=100))
+    registered = []
+    for _ in range(4):  # prompt, then 3 tokens: 9 tokens held, 8 computed after the 3rd
+        s.update(answer_all(s.schedule()))
+        registered.append(s.kv._tables["a"].num_registered)
+    assert registered == [1, 1, 2, 2]  # the second block registers once its last token is computed
+    assert s.requests["a"].num_registered_blocks == 2
+    s.add_request(with_priority(make_request("b", 30, max_tokens=2, first_token=300), 5))
+    s.update(answer_all(s.schedule()))  # a preempted: b needs all 8 blocks
+    assert s.requests["a"].status is RequestStatus.WAITING
+    run_to_end(s)
+    assert s.kv.num_free_blocks == 8 and not s.kv.check_consistency()
+
+
+def test_running_order_is_by_priority_then_generation_before_context():
+    s = make_scheduler(tokens_per_block=4, max_num_tokens=8)
+
+    def step() -> None:  # a token for each request whose step reaches its last token
+        plan = s.schedule()
+        outputs = []
+        for e in plan.new_requests + plan.cached_requests:
+            done = e.num_computed_tokens + e.num_scheduled_tokens == s.requests[e.request_id].num_tokens
+            outputs.append(RequestOutput(e.request_id, [5] if done else []))
+        s.update(StepResult(plan.step_id, outputs))
+
+    s.add_request(make_request("ctx", 20, first_token=100))  # its context takes several steps of 8 tokens
+    s.add_request(make_request("gen", 3, first_token=200))
+    s.add_request(with_priority(make_request("vip", 3, first_token=300), 1))
+    step()
+    step()
+    assert [r.request_id for r in s.running] == ["vip", "ctx", "gen"]
+    assert [r.request_id for r in s._running_order()] == ["vip", "gen", "ctx"]
+    while s.requests["ctx"].num_computed_tokens < s.requests["ctx"].num_tokens - 1:
+        step()
+    assert [r.request_id for r in s._running_order()] == ["vip", "ctx", "gen"]  # all in generation: as they run
