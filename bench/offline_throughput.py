@@ -55,7 +55,7 @@ def synthetic_prompts(count: int, length: int, seed: int, vocab: int) -> list[li
 
 
 def build_engine_dir(args) -> tuple[Path, dict]:
-    from executor_svc.build_config import BuildConfig
+    from executor_svc.build_config import BuildConfig, QuantConfig
     from executor_svc.builder import build_cached
     from inflight.model_store import default_cache_dir
 
@@ -65,6 +65,7 @@ def build_engine_dir(args) -> tuple[Path, dict]:
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
         max_seq_len=args.max_seq_len or longest, dtype=args.dtype,
         plugin_config=dict(item.split("=", 1) for item in args.plugin),
+        quant_config=QuantConfig(args.quant_algo, args.kv_cache_quant_algo),
     )
     engine_dir = build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
     return engine_dir, config
@@ -437,6 +438,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--kv-cache-fraction", type=float, default=0.9)
     p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
+    p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
+    p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")
@@ -457,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "git": git_info(), "system": device_info(args.device), "model": args.shape or args.model,
-        "load_format": args.load_format, "inprocess": {}, "inprocess_no_overlap": {}, "split": {}, "grpc": {},
+        "load_format": args.load_format, "quant_algo": args.quant_algo, "kv_cache_quant_algo": args.kv_cache_quant_algo,
+        "inprocess": {}, "inprocess_no_overlap": {}, "split": {}, "grpc": {},
     }
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -136,7 +136,10 @@ class Scheduled:
         self.async_engine = AsyncEngine(self.executor, tokenizer, EngineLimits(max_queue_size=1 << 20, **limits))
 
     async def __aenter__(self):
+        from inflight.gc_tuning import settle_garbage_collector
+
         await self.async_engine.start()
+        settle_garbage_collector()  # as the LLM API and the services do once loaded
         await one_request(self.async_engine, [1000 + i for i in range(8)], 2)  # first-call costs out of the way
         return self.async_engine
 

@@ -121,6 +121,7 @@ def run_generate(args) -> dict:
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
+    from inflight.gc_tuning import settle_garbage_collector
     from inflight.inprocess import InProcessExecutor
     from inflight.model_store import default_cache_dir
     from scheduler_svc.api_types import GenerationRequest
@@ -155,6 +156,7 @@ def run_generate(args) -> dict:
         executor = InProcessExecutor(engine)
         async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
+        settle_garbage_collector()  # as the LLM API and the services do once loaded
         out: dict = {}
         try:
             warm = [GenerationRequest(token_ids=texts[0], max_tokens=16, temperature=0.0)]
