@@ -40,7 +40,7 @@ ROPE_STYLES = ("neox", "gptj")
 if triton is not None:
 
     @triton.jit
-    def _round_to_e4m3(y):
+    def round_to_e4m3(y):
         """float32 ``y`` (|y| <= 448) rounded to nearest even on the E4M3 grid, still in float32.
 
         The conversion that follows is then exact, whatever rounding the
@@ -63,7 +63,7 @@ if triton is not None:
         """``x`` (in the model dtype) as the cache stores it: itself, or quantized with ``inv_scale``."""
         if KV_QUANT == 1:  # KV_FP8, E4M3: saturate, round to nearest even
             y = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
-            out = _round_to_e4m3(y).to(tl.float8e4nv)
+            out = round_to_e4m3(y).to(tl.float8e4nv)
         elif KV_QUANT == 2:  # KV_INT8: clamp, round half to even (both exact on integers)
             y = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -127.0), 127.0)
             out = ((y + 12582912.0) - 12582912.0).to(tl.int8)

@@ -204,3 +204,24 @@ def test_quantized_modules_approximate_the_linear_and_reload_from_their_state():
         }[name]().to(DEVICE)
         empty.load_state_dict(module.state_dict(), strict=True)
         assert torch.equal(empty(x), out), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0, 64), (1, 64), (5, 300), (3, 4500)] + ([(1024, 14336)] if TEST_DEVICE == "cuda" else []))
+def test_fused_fp8_per_token_quantization_equals_the_reference(shape, dtype):
+    """The one-kernel per-token FP8 quantization stores the reference's bytes and scales, also for rows
+    longer than one block, an all-zero row, and values that saturate or round at E4M3's grid edges."""
+    pytest.importorskip("triton")
+    from plugins.quant_activation_triton import quantize_fp8_per_token_triton
+
+    gen = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    x = (torch.randn(shape, generator=gen) * torch.logspace(-3, 3, shape[0] or 1)[: shape[0], None]).to(DEVICE, dtype)
+    if shape[0] > 1:
+        x[1] = 0  # an all-zero row gets the minimum scale
+    q, scales = quantize_fp8_per_token_triton(x)
+    q_ref, scales_ref = qz.quantize_fp8_per_token_reference(x)
+    assert torch.equal(scales, scales_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    strided = x.t().contiguous().t()  # the dispatcher copies a column-major view first
+    if shape[0]:
+        assert torch.equal(qz.quantize_fp8_per_token(strided)[0].view(torch.uint8), q_ref.view(torch.uint8))

@@ -22,6 +22,11 @@ import torch
 
 INT8_MAX = 127.0
 INT4_MAX = 15.0
+try:
+    from plugins.quant_activation_triton import quantize_fp8_per_token_triton
+except ImportError:  # no triton: the torch reference runs everywhere
+    quantize_fp8_per_token_triton = None
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 GROUP_SCALE_DTYPE = torch.float16
@@ -147,10 +152,24 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, in] -> (float8_e4m3fn [tokens, in], float32 scales [tokens, 1])."""
+    """x [tokens, in] -> (float8_e4m3fn [tokens, in], float32 scales [tokens, 1]).
+
+    On a GPU one fused Triton kernel computes the same bytes and scales as the
+    reference (``plugins/quant_activation_triton.py``): it runs before every FP8
+    GEMM of a context or large-batch step, where six torch kernels cost more than
+    the GEMM's savings.
+    """
+    if x.is_cuda and quantize_fp8_per_token_triton is not None:
+        return quantize_fp8_per_token_triton(x if x.stride(-1) == 1 else x.contiguous())
+    return quantize_fp8_per_token_reference(x)
+
+
+def quantize_fp8_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_fp8_per_token`` in torch: the scale is applied as a product with its float32
+    reciprocal, which a kernel can reproduce exactly (a compiled float32 division need not be exact)."""
     x32 = x.float()
     scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-8)
-    return (x32 / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+    return (x32 * (1.0 / scales)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
