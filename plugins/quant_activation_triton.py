@@ -32,9 +32,12 @@ MIN_SCALE = 1e-8  # an all-zero row still gets a usable scale
 
 
 if triton is not None:
+    _HAS_DIV_RN = hasattr(tl.math, "div_rn")  # older Triton: fdiv with IEEE rounding
 
     @triton.jit
-    def _fp8_per_token_kernel(x_ptr, q_ptr, scale_ptr, n_cols, x_stride, min_scale, BLOCK: tl.constexpr):
+    def _fp8_per_token_kernel(
+        x_ptr, q_ptr, scale_ptr, n_cols, x_stride, min_scale, BLOCK: tl.constexpr, HAS_DIV_RN: tl.constexpr,
+    ):
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * x_stride
         q_row = q_ptr + row.to(tl.int64) * n_cols
@@ -43,8 +46,13 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.fdiv(tl.max(amax, axis=0), 448.0, ieee_rounding=True), min_scale)
-        inv_scale = tl.fdiv(1.0, scale, ieee_rounding=True)
+        # Correctly rounded divisions, as torch's: a plain float32 / need not be.
+        if HAS_DIV_RN:
+            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), min_scale)
+            inv_scale = tl.math.div_rn(1.0, scale)
+        else:
+            scale = tl.maximum(tl.fdiv(tl.max(amax, axis=0), 448.0, ieee_rounding=True), min_scale)
+            inv_scale = tl.fdiv(1.0, scale, ieee_rounding=True)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
@@ -62,5 +70,8 @@ if triton is not None:
         scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
         if rows:
             block = min(2048, triton.next_power_of_2(max(cols, 16)))
-            _fp8_per_token_kernel[(rows,)](x, q, scales, cols, x.stride(0), MIN_SCALE, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+            _fp8_per_token_kernel[(rows,)](
+                x, q, scales, cols, x.stride(0), MIN_SCALE, BLOCK=block, HAS_DIV_RN=_HAS_DIV_RN,
+                num_warps=4 if block <= 1024 else 8,
+            )
         return q, scales
