@@ -165,7 +165,8 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         executor = InProcessExecutor(engine)
         async_engine = AsyncEngine(executor, tokenizer, EngineLimits(max_queue_size=1 << 20, overlap_scheduling=overlap))
         await async_engine.start()
-        settle_garbage_collector()  # as the LLM API and the services do once loaded
+        if not args.keep_gc_defaults:
+            settle_garbage_collector()  # as the LLM API and the services do once loaded
         return async_engine, executor
 
     def submitter(async_engine: AsyncEngine):
@@ -445,6 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")
     p.add_argument("--switch-interval-ms", type=float, default=0.0,
                    help="the interpreter's thread switch interval (sys.setswitchinterval); 0 = Python's default (5 ms)")
+    p.add_argument("--keep-gc-defaults", action="store_true",
+                   help="leave the garbage collector as the interpreter starts it (to measure what settling it buys)")
     p.add_argument("--stream", action="store_true",
                    help="clients stream every step's tokens (TTFT, TPOT) instead of taking each completion whole")
     p.add_argument("--output", required=True)
@@ -460,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "git": git_info(), "system": device_info(args.device), "model": args.shape or args.model,
-        "load_format": args.load_format, "quant_algo": args.quant_algo, "kv_cache_quant_algo": args.kv_cache_quant_algo,
+        "load_format": args.load_format, "gc_settled": not args.keep_gc_defaults, "quant_algo": args.quant_algo, "kv_cache_quant_algo": args.kv_cache_quant_algo,
         "inprocess": {}, "inprocess_no_overlap": {}, "split": {}, "grpc": {},
     }
     output = Path(args.output)
