@@ -80,3 +80,15 @@ def test_bench_quant_gemm_kernels_smoke(tmp_path: Path) -> None:
         if row.get("format") != "bf16":
             assert row["max_rel_diff"] < 1e-3, row  # float32 through the interpreter: the reference's result
     assert set(result["best"]) == {"int8", "int4", "fp8"} and set(result["summary"]) == {"int8", "int4", "fp8"}
+
+
+def test_wire_cost_smoke(tmp_path: Path) -> None:
+    """The wire-format benchmark round-trips a generation step's plan and result at a small batch."""
+    out = tmp_path / "wire.json"
+    cmd = [sys.executable, str(REPO / "bench" / "wire_cost.py"), "--batch-sizes", "8", "--reps", "2", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    row = json.loads(out.read_text())["batches"]["8"]
+    assert set(row["ms"]) == {"scheduler_plan_to_bytes", "executor_bytes_to_plan", "executor_result_to_bytes",
+                              "scheduler_bytes_to_result"}
+    assert row["bytes"]["plan"] > 0 and row["bytes"]["result"] > 0
