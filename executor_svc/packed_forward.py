@@ -96,18 +96,10 @@ def pack(segments: list[Segment], tokens_per_block: int) -> PackedStep:
     block = tokens_per_block
     for seg in segments:
         start, count, table = seg.start, seg.count, seg.block_table
-        if count == 1:  # the generation step of one request: most segments, so kept short
-            single_rows.append(len(context_lens))
-            positions.append(start)
-            slots.append(table[start // block] * block + start % block)
-            query_start.append(query_start[-1] + 1)
-            context_lens.append(start + 1)
-            tables.append(table)
-            continue
         end = start + count
         positions.extend(range(start, end))
         slots.extend(slot_mapping(table, start, end, block))
-        if seg.as_rows:
+        if seg.as_rows or count == 1:  # one attention row per token, each seeing up to itself
             first = len(context_lens)
             single_rows.extend(range(first, first + count))
             query_start.extend(range(query_start[-1] + 1, query_start[-1] + count + 1))

@@ -303,59 +303,42 @@ class ModelRunner:
         num_plain = len(step.sampling_requests)
         outputs = result.outputs
         to_draft: list[tuple[RequestOutput, RequestState, int]] = []  # (output, state, its hidden row)
-        if not step.verifications:  # every request got one token or none: the common step, kept short
-            for row, ((request_id, state), token) in enumerate(zip(step.sampling_requests, values)):
-                assert state.pending[0][0] is step, "steps finish in launch order"
-                del state.pending[0]
-                state.token_ids.append(token)
-                state.sampling.append_output((token,))
-                output = RequestOutput(request_id, [token])
-                outputs.append(output)
-                if state.num_drafts_to_propose and not state.pending and not state.sampling.needs_output_history:
-                    to_draft.append((output, state, row))
-            if len(step.scheduled) > num_plain:  # context chunks that sample nothing yet
-                sampled = {request_id for request_id, _ in step.sampling_requests}
-                outputs.extend(RequestOutput(request_id, []) for request_id, _, _ in step.scheduled if request_id not in sampled)
-        else:
-            self._finish_with_verifications(step, values, to_draft)
+        for row, ((request_id, state), token) in enumerate(zip(step.sampling_requests, values)):
+            assert state.pending[0][0] is step, "steps finish in launch order"
+            del state.pending[0]
+            self._emit(request_id, state, [token], 0, row, outputs, to_draft)
+        if step.verifications:
+            num_rows = (len(values) - num_plain) // 2
+            row_tokens, row_accepted = values[num_plain : num_plain + num_rows], values[num_plain + num_rows :]
+            for chain in step.verifications:
+                rows = slice(chain.first_row, chain.first_row + len(chain.drafts) + 1)
+                tokens = accepted_prefix(row_tokens[rows], row_accepted[rows])
+                accepted = len(tokens) - 1
+                chain.state.num_computed_tokens -= len(chain.drafts) - accepted  # rejected drafts' KV is stale
+                chain.state.verifying = False
+                self._emit(chain.request_id, chain.state, tokens, accepted, num_plain + chain.first_row + accepted,
+                           outputs, to_draft)
+        if len(step.scheduled) > num_plain + len(step.verifications):  # context chunks that sample nothing yet
+            answered = {output.request_id for output in outputs}
+            outputs.extend(RequestOutput(request_id, []) for request_id, _, _ in step.scheduled if request_id not in answered)
         if to_draft:
             self._propose(step, to_draft)
         result.step_us = int((time.perf_counter() - step.started) * 1e6)
         self._spent("finish", finish_started, cpu)
         return result
 
-    def _finish_with_verifications(
-        self, step: LaunchedStep, values: list[int], to_draft: list[tuple[RequestOutput, RequestState, int]]
+    @staticmethod
+    def _emit(
+        request_id: str, state: RequestState, tokens: list[int], accepted: int, hidden_row: int,
+        outputs: list[RequestOutput], to_draft: list[tuple[RequestOutput, RequestState, int]],
     ) -> None:
-        """``finish`` for a step that verified draft chains: accepted prefixes, rolled-back counts."""
-        num_plain = len(step.sampling_requests)
-        num_rows = (len(values) - num_plain) // 2
-        row_tokens, row_accepted = values[num_plain : num_plain + num_rows], values[num_plain + num_rows :]
-        plain = {rid: (row, token) for row, ((rid, _), token) in enumerate(zip(step.sampling_requests, values))}
-        chains = {v.request_id: v for v in step.verifications}
-        for request_id, state, _ in step.scheduled:
-            chain = chains.get(request_id)
-            if chain is not None:
-                rows = slice(chain.first_row, chain.first_row + len(chain.drafts) + 1)
-                tokens = accepted_prefix(row_tokens[rows], row_accepted[rows])
-                accepted = len(tokens) - 1
-                state.num_computed_tokens -= len(chain.drafts) - accepted  # rejected drafts' KV is stale
-                state.verifying = False
-                hidden_row = num_plain + chain.first_row + accepted
-            elif request_id in plain:
-                row, token = plain[request_id]
-                assert state.pending and state.pending[0][0] is step, "steps finish in launch order"
-                state.pending.pop(0)
-                tokens, accepted, hidden_row = [token], 0, row
-            else:
-                step.result.outputs.append(RequestOutput(request_id, []))
-                continue
-            state.token_ids.extend(tokens)
-            state.sampling.append_output(tokens)
-            output = RequestOutput(request_id, tokens, num_accepted_drafts=accepted)
-            step.result.outputs.append(output)
-            if state.num_drafts_to_propose and not state.pending and not state.sampling.needs_output_history:
-                to_draft.append((output, state, hidden_row))
+        """Record a request's new tokens and add its output (and, when it wants drafts next, its hidden row)."""
+        state.token_ids.extend(tokens)
+        state.sampling.append_output(tokens)
+        output = RequestOutput(request_id, tokens, num_accepted_drafts=accepted)
+        outputs.append(output)
+        if state.num_drafts_to_propose and not state.pending and not state.sampling.needs_output_history:
+            to_draft.append((output, state, hidden_row))
 
     def _propose(self, step: LaunchedStep, to_draft: list[tuple[RequestOutput, RequestState, int]]) -> None:
         """Drafts for the next step of every request that asked for them."""
@@ -388,23 +371,8 @@ class ModelRunner:
         chain_states: list[RequestSamplingState] = []
         # Input tokens still on their way from an earlier step: (token index, that step, its row).
         from_device: list[tuple[int, LaunchedStep, int]] = []
-        sampling_requests = step.sampling_requests
         for request_id, state, count in step.scheduled:
-            start = state.num_computed_tokens
-            known = len(state.token_ids)
-            if count == 1:  # one generation step (never a draft chain): the common case, kept short
-                if start < known:
-                    tokens.append(state.token_ids[start])
-                else:  # sampled by a step whose result is not on the host yet
-                    earlier, earlier_row = state.pending[start - known]
-                    from_device.append((len(tokens), earlier, earlier_row))
-                    tokens.append(0)  # placeholder, overwritten on the device
-                segments.append(Segment(state.block_table, start, 1, False))
-                if start + 1 == known + len(state.pending):  # reached the last token: sample the next
-                    plain_tokens.append(len(tokens) - 1)
-                    sampling_requests.append((request_id, state))
-                continue
-            end = start + count
+            start, end = state.num_computed_tokens, state.num_computed_tokens + count
             chain = drafts.get(request_id)
             if chain is not None:  # the last token, then the drafts: one attention row each
                 step.verifications.append(Verification(request_id, state, chain, len(chain_tokens)))
@@ -415,6 +383,7 @@ class ModelRunner:
                 chain_states.extend([state.sampling] * count)
                 segments.append(Segment(state.block_table, start, count, as_rows=True))
                 continue
+            known = len(state.token_ids)
             tokens.extend(state.token_ids[start:min(end, known)])
             for pos in range(max(start, known), end):
                 earlier, earlier_row = state.pending[pos - known]
@@ -423,7 +392,7 @@ class ModelRunner:
             segments.append(Segment(state.block_table, start, count, as_rows=False))
             if end == state.num_tokens:  # reached the last token: sample the next
                 plain_tokens.append(len(tokens) - 1)
-                sampling_requests.append((request_id, state))
+                step.sampling_requests.append((request_id, state))
         step.num_tokens = len(tokens)
         if self.engine.decode_graphs is not None:
             short_chunks_as_rows(segments, self.engine.decode_graphs.fits, self.max_rows_per_chunk)

@@ -423,7 +423,6 @@ class Scheduler:
                 updates.append(RequestUpdate(request, [], FinishReason.ERROR))
         caching = self.kv.enable_prefix_caching
         tokens_per_block = self.config.tokens_per_block
-        max_seq_len = self.config.max_seq_len
         running = RequestStatus.RUNNING
         for output in result.outputs:
             request = requests.get(output.request_id)
@@ -434,26 +433,13 @@ class Scheduler:
             next_drafts = output.next_draft_token_ids
             if len(next_drafts) or request.draft_token_ids:  # else it keeps its empty list
                 request.draft_token_ids = list(next_drafts)
-            output_token_ids = request.output_token_ids
-            num_prompt = len(request.prompt_token_ids)
             # The step is done: its full blocks may serve other requests from now on.
             # Up to the tokens known here: a later step in flight may have computed more.
-            known = num_prompt + len(output_token_ids)
-            if request.num_computed_tokens < known:
-                known = request.num_computed_tokens
+            known = min(request.num_computed_tokens, request.num_tokens)
             # Most steps fill no block: the KV cache would find nothing new, so it is not asked.
             if caching and known // tokens_per_block > request.num_registered_blocks:
                 self._cache_computed_blocks(request, known)
-            token_ids = output.token_ids
-            if len(token_ids) == 1:  # the common case (no drafts), without a loop
-                token = token_ids[0]
-                output_token_ids.append(token)
-                accepted = [token]
-                reason = request.check_token_stop(token)
-                if reason is None and num_prompt + len(output_token_ids) >= max_seq_len:
-                    reason = FinishReason.LENGTH
-            else:
-                accepted, reason = self._append_tokens(request, token_ids)
+            accepted, reason = self._append_tokens(request, output.token_ids)
             if reason is not None:
                 self.finish_request(request.request_id, reason)
             if accepted or reason is not None:
