@@ -9,10 +9,11 @@ the row twice (the second read comes from L2) and writes only the 1-byte
 values and the scale.
 
 The arithmetic is the reference's (``quantize_fp8_per_token`` in
-``executor_svc/quantization/quantize.py``): IEEE divisions for the scale and
-its reciprocal, a float32 product, saturation, and rounding to nearest even
-done in float32 so that the final conversion is exact; the bytes and scales
-equal the reference's. CUDA-graph safe: the grid comes from shapes only.
+``executor_svc/quantization/quantize.py``): the scale as a product with
+float32 1/448, an IEEE division for its reciprocal, a float32 product,
+saturation, and rounding to nearest even done in float32 so that the final
+conversion is exact; the bytes and scales equal the reference's on every
+device. CUDA-graph safe: the grid comes from shapes only.
 Tests run it on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 """
 
@@ -29,6 +30,7 @@ except ImportError:  # no triton: the kernel is not defined and callers use the 
     triton = None
 
 MIN_SCALE = 1e-8  # an all-zero row still gets a usable scale
+INV_FP8_MAX = 1.0 / 448.0  # passed as float32: the reference's factor (executor_svc.quantization.quantize)
 
 
 if triton is not None:
@@ -36,7 +38,7 @@ if triton is not None:
 
     @triton.jit
     def _fp8_per_token_kernel(
-        x_ptr, q_ptr, scale_ptr, n_cols, x_stride, min_scale, BLOCK: tl.constexpr, HAS_DIV_RN: tl.constexpr,
+        x_ptr, q_ptr, scale_ptr, n_cols, x_stride, inv_fp8_max, min_scale, BLOCK: tl.constexpr, HAS_DIV_RN: tl.constexpr,
     ):
         row = tl.program_id(0)
         x_row = x_ptr + row.to(tl.int64) * x_stride
@@ -46,12 +48,11 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        # Correctly rounded divisions, as torch's: a plain float32 / need not be.
+        scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
+        # A correctly rounded reciprocal, as torch's: a plain float32 / need not be.
         if HAS_DIV_RN:
-            scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), 448.0), min_scale)
             inv_scale = tl.math.div_rn(1.0, scale)
         else:
-            scale = tl.maximum(tl.fdiv(tl.max(amax, axis=0), 448.0, ieee_rounding=True), min_scale)
             inv_scale = tl.fdiv(1.0, scale, ieee_rounding=True)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -71,7 +72,7 @@ if triton is not None:
         if rows:
             block = min(2048, triton.next_power_of_2(max(cols, 16)))
             _fp8_per_token_kernel[(rows,)](
-                x, q, scales, cols, x.stride(0), MIN_SCALE, BLOCK=block, HAS_DIV_RN=_HAS_DIV_RN,
+                x, q, scales, cols, x.stride(0), INV_FP8_MAX, MIN_SCALE, BLOCK=block, HAS_DIV_RN=_HAS_DIV_RN,
                 num_warps=4 if block <= 1024 else 8,
             )
         return q, scales

@@ -29,6 +29,7 @@ except ImportError:  # no triton: the torch reference runs everywhere
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+INV_FP8_MAX = float(torch.tensor(1.0 / FP8_MAX, dtype=torch.float32))  # 1/448 as float32 rounds it
 GROUP_SCALE_DTYPE = torch.float16
 # Scales never drop below this, so an all-zero row or group quantizes to zeros
 # instead of dividing by zero (and stays a normal float16).
@@ -165,11 +166,15 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def quantize_fp8_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_fp8_per_token`` in torch: the scale is applied as a product with its float32
-    reciprocal, which a kernel can reproduce exactly (a compiled float32 division need not be exact)."""
+    """``quantize_fp8_per_token`` in torch, rounded the same way on every device: the scale is a
+    product with float32 1/448 (torch's CUDA kernels turn a division by a scalar into that
+    product, its CPU kernels divide), and its reciprocal is divided in float64 and rounded to
+    float32, which is the correctly rounded float32 quotient (torch's float32 reciprocal on
+    the GPU need not be)."""
     x32 = x.float()
-    scales = (x32.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-8)
-    return (x32 * (1.0 / scales)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
+    scales = (x32.abs().amax(dim=1, keepdim=True) * INV_FP8_MAX).clamp(min=1e-8)
+    inv_scales = (1.0 / scales.double()).float()
+    return (x32 * inv_scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
