@@ -168,6 +168,13 @@ class ModelRunner:
                 return True
         return False
 
+    def feeds_next_plan(self, step: LaunchedStep) -> bool:
+        """Whether the next plan waits for ``step``'s result: it verifies drafts or proposes the next ones,
+        so its scheduler plans one step at a time and nothing can be launched behind it."""
+        if self.proposer is None:
+            return False
+        return bool(step.verifications) or any(state.num_drafts_to_propose for _, state in step.sampling_requests)
+
     def _spent(self, phase: str, started: float, cpu: float) -> float:
         spent = time.perf_counter() - started
         self.host_seconds[phase] += spent

@@ -7,6 +7,8 @@ still runs N, N+1 is launched first (its inputs prepared and its kernels queued
 behind N's), and only then does the pipeline wait for N's sampled ids. The GPU
 then goes from N to N+1 without waiting for the host. When no plan arrives
 before N completes, N's result goes back at once: overlap never delays a result.
+A step whose result the next plan needs (it verifies or proposes drafts) is
+finished right after its launch, on this thread.
 The pipeline's thread never polls: a waiter thread blocks on each launched
 step's CUDA event (releasing the GIL) and posts its completion to the same
 inbox that plans arrive in, so whichever comes first wakes the pipeline.
@@ -133,7 +135,9 @@ class StepPipeline:
                 continue
             if pending is not None:
                 self._finish(pending)
-            if not self.overlap or launched.done is None:  # nothing to overlap with: finish it now
+            # Nothing to overlap with: finish it now, waiting on this thread (one thread hand-off less
+            # than the waiter's, which a speculating scheduler's one-step-at-a-time loop pays every step).
+            if not self.overlap or launched.done is None or self.runner.feeds_next_plan(launched):
                 self._finish((launched, deliver))
                 continue
             pending = (launched, deliver)

@@ -106,7 +106,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.drafts = DraftStats(by_position=[0] * config.max_draft_tokens,
                                  accepted_by_position=[0] * config.max_draft_tokens)
-        self.draft_policy = DraftLengthPolicy(config.max_draft_tokens, config.adaptive_draft_length)
+        self.draft_policy = DraftLengthPolicy(config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size)
         self._generation_steps: dict[int, int] = {}  # step id -> tokens, for generation steps in flight
 
     @property
@@ -237,7 +237,11 @@ class Scheduler:
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        return self.draft_policy.choose(candidates, other), drafts_of
+        draft_length = self.draft_policy.choose(candidates, other)
+        limit = self.draft_policy.verify_limit
+        if limit is not None:  # a probe with room for only some of them: the first in order verify
+            drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}
+        return draft_length, drafts_of
 
     def _propose_for(self, request: Request, computed_after: int, held: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).

@@ -22,17 +22,22 @@ hides the rest behind); K > 0 costs what steps run one at a time cost.
 Costs are learned per power-of-two bucket of T, each bucket keeping its last
 few measurements and using their median (one slow step, a compilation, does
 not stick; a host that is often slow counts), and interpolated between
-buckets. Step
-sizes past the largest measured one are assumed to cost what it did, which is
-optimistic, so a larger K gets tried and then judged by its real cost.
+buckets. Until a bucket has a few measurements it counts its fastest one, so
+a first step that happened to be slow does not rule its size out for good:
+the size gets tried again and the median takes over. Step sizes past the
+largest measured one are assumed to cost what it did, which is optimistic,
+so a larger K gets tried and then judged by its real cost.
 
 K = 0 turns speculation off; while it stays off, steps overlap again (the
 scheduler plans the next step before the last result is back), and a short
 probe every few dozen steps goes back to one step at a time, asks for drafts
-and verifies at least one per request, so the choice is re-measured and can
-come back when the load drops. A probe costs a few serial steps, so each one
-that leaves speculation off doubles the interval to the next (up to a few
-hundred steps); speculation turning on resets it.
+and verifies one each, so the choice is re-measured and can come back when
+the load drops. A probe costs a few serial steps, so each one that leaves
+speculation off doubles the interval to the next (up to a few hundred steps);
+speculation turning on resets it. A probe never grows a step past
+``max_step_tokens`` (the executor's batch size: past it, single-token rows
+leave the CUDA graphs and a step costs several times more): only as many
+requests verify a draft as there is room for, and a full batch is not probed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
 RECENT = 8  # measurements each step-size bucket keeps
+TRUSTED = 3  # measurements after which a bucket's median counts (before: its fastest)
 PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
@@ -100,8 +106,12 @@ class StepCosts:
         self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds))
 
     def points(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) per bucket: its median recent step."""
-        return sorted(sorted(window, key=lambda p: p[1])[len(window) // 2] for window in self.recent.values())
+        """(tokens, seconds) per bucket: its median recent step, or its fastest while it has few."""
+        points = []
+        for window in self.recent.values():
+            ranked = sorted(window, key=lambda p: p[1])
+            points.append(ranked[len(ranked) // 2] if len(ranked) >= TRUSTED else ranked[0])
+        return sorted(points)
 
     def step_seconds(self, num_tokens: int) -> float | None:
         points = self.points()
@@ -127,9 +137,12 @@ class Candidate:
 class DraftLengthPolicy:
     """Picks the step's draft length K (see the module docstring)."""
 
-    def __init__(self, max_draft_tokens: int, adaptive: bool = True) -> None:
+    def __init__(self, max_draft_tokens: int, adaptive: bool = True, max_step_tokens: int = 0) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
+        self.max_step_tokens = max_step_tokens  # probes stay within it (0 = no limit)
+        self.verify_limit: int | None = None  # this step's most requests that verify drafts (None = all)
+        self._last_tokens = 0  # tokens of the last generation step measured
         self.overlap_available = True  # whether the step loop overlaps steps when speculation is off
         self.costs = StepCosts()  # wall time of steps run one at a time
         self.overlapped_costs = StepCosts()  # wall time of overlapped steps
@@ -143,6 +156,7 @@ class DraftLengthPolicy:
     def choose(self, candidates: list[Candidate], other_tokens: int) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens."""
         self._steps += 1
+        self.verify_limit = None
         if not candidates:
             return self.last_k
         if not self.adaptive:
@@ -164,7 +178,10 @@ class DraftLengthPolicy:
                 best_k, best = k, goodput
         self._schedule_probes(best_k)
         if best_k == 0 and self._probing():
-            best_k = 1  # off, but probing: verify one draft so the cost of speculating is measured again
+            room = self._room(base)
+            if room > 0:  # off, but probing: verify one draft so the cost of speculating is measured again
+                best_k = 1
+                self.verify_limit = room if room < len(candidates) else None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("draft length %d for %d requests with drafts (%s)", best_k, len(candidates), ", ".join(estimates))
         self.last_k = best_k
@@ -174,6 +191,7 @@ class DraftLengthPolicy:
     def observe(self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float) -> None:
         """A generation step of ``num_tokens`` tokens took ``wall_seconds`` as the step loop saw it."""
         (self.overlapped_costs if overlapped else self.costs).observe(num_tokens, wall_seconds)
+        self._last_tokens = num_tokens
         if executor_seconds > 0:
             self.executor_costs.observe(num_tokens, executor_seconds)
 
@@ -193,8 +211,13 @@ class DraftLengthPolicy:
             self._probe_every = min(2 * self._probe_every, MAX_PROBE_EVERY)
             self._probe_start = self._steps + self._probe_every
 
+    def _room(self, num_tokens: int) -> int:
+        """Tokens a probe may add to a step of ``num_tokens`` and stay within ``max_step_tokens``."""
+        return self.max_step_tokens - num_tokens if self.max_step_tokens else 1 << 30
+
     def _probing(self) -> bool:
-        return self._probe_start <= self._steps < self._probe_start + PROBE_STEPS
+        """Whether this step is part of a probe: its window, and room for it past the last step's tokens."""
+        return self._probe_start <= self._steps < self._probe_start + PROBE_STEPS and self._room(self._last_tokens) > 0
 
     def drafts_to_propose(self) -> int:
         """Drafts to ask for the next step: room to grow by one, and occasional probes when off."""

@@ -182,6 +182,20 @@ def test_draft_length_follows_the_measured_step_cost():
     assert expected_accepted(0.5, 3) == pytest.approx(0.875)
 
 
+def test_a_slow_first_step_does_not_rule_its_size_out():
+    """Until a size has a few measurements its fastest counts; then their median does."""
+    from scheduler_svc.speculation import StepCosts
+
+    costs = StepCosts()
+    costs.observe(9, 0.030)  # the first step of this size paid a one-off cost
+    assert costs.step_seconds(9) == pytest.approx(0.030)
+    costs.observe(9, 0.0015)
+    assert costs.step_seconds(9) == pytest.approx(0.0015)  # tried again: the fast step counts
+    for _ in range(3):
+        costs.observe(9, 0.030)
+    assert costs.step_seconds(9) == pytest.approx(0.030)  # slow most of the time: the median says so
+
+
 def test_probes_back_off_while_speculation_does_not_pay():
     """Each probe that leaves speculation off doubles the wait to the next; speculation paying resets it."""
     from scheduler_svc.speculation import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS
@@ -206,6 +220,30 @@ def test_probes_back_off_while_speculation_does_not_pay():
             policy.costs.observe(tokens, 0.010)
     assert policy.choose([Candidate(str(i), 4, 0.9) for i in range(8)], 0) == 4
     assert policy._probe_every == PROBE_EVERY
+
+
+def test_probes_stay_within_the_executors_batch():
+    """A probe verifies one draft for only as many requests as fit under max_step_tokens (past it a step
+    leaves the CUDA graphs); a full batch is not probed, and its probe window counts as one that failed."""
+    from scheduler_svc.speculation import PROBE_EVERY, PROBE_STEPS
+
+    def policy_after(step_tokens: int) -> DraftLengthPolicy:
+        policy = DraftLengthPolicy(max_draft_tokens=4, max_step_tokens=64)
+        for tokens in (8, 16, 32, 64, 128):  # compute-bound: K = 0 wins outside probes
+            policy.costs.observe(tokens, 0.010 * tokens / 8)
+        policy.observe(step_tokens, 0.010 * step_tokens / 8, overlapped=True, executor_seconds=0.0)
+        return policy
+
+    policy = policy_after(48)
+    candidates = [Candidate(str(i), 4, 0.3) for i in range(48)]
+    chosen = [(policy.choose(candidates, 0), policy.verify_limit) for _ in range(PROBE_EVERY + PROBE_STEPS + 1)]
+    probes = [c for c in chosen if c[0]]
+    assert probes and all(c == (1, 16) for c in probes)  # 48 + 16 drafts = 64 tokens
+    assert policy.drafts_to_propose() == 0  # the probe is over
+    policy = policy_after(64)
+    full = [Candidate(str(i), 4, 0.3) for i in range(64)]
+    assert all(policy.choose(full, 0) == 0 for _ in range(4 * PROBE_EVERY))
+    assert policy.drafts_to_propose() == 0 and policy._probe_every > PROBE_EVERY  # backed off as after a probe
 
 
 # -- end to end ------------------------------------------------------------------
