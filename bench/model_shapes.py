@@ -33,6 +33,15 @@ SHAPES: dict[str, dict] = {
         "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
     },
+    # HuggingFaceTB/SmolLM2-135M config.json: a small model whose steps are short enough that the
+    # host's share shows (random weights; the real checkpoint is `--model smollm2-135m-instruct`)
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+        "vocab_size": 49152, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    },
     # Not a published model: one tiny layer, so a step's device work costs next to nothing and
     # what a benchmark measures is the host's share (scheduling, packing, streaming per request).
     "tiny-host": {
