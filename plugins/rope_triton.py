@@ -55,8 +55,10 @@ if triton is not None:
         step = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
         inv_step = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
         steps = (tl.abs(y) * inv_step + 12582912.0) - 12582912.0
-        rounded = steps * step
-        return tl.where(bits < 0, -rounded, rounded)  # the sign bit: -0.0 stays -0.0, as in torch
+        rounded = (steps * step).to(tl.int32, bitcast=True)
+        # The sign goes back as a bit: a negative value that rounds to zero stays -0.0, as in torch
+        # (negating it compiles to 0 - x on the GPU, which gives +0.0).
+        return (rounded | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _cache_value(x, inv_scale, KV_QUANT: tl.constexpr):

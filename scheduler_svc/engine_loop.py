@@ -240,9 +240,9 @@ class AsyncEngine:
         # planned and sent while the executor runs the current one: the scheduler counts
         # the token each running request will get as held, the executor feeds it in itself,
         # and neither side waits for the other between steps.
-        # (result, when it was planned, whether another step was in flight then)
-        in_flight: deque[tuple[asyncio.Future[StepResult], float, bool]] = deque()
-        last_result_at = 0.0
+        # (result, whether another step was in flight when it was planned)
+        in_flight: deque[tuple[asyncio.Future[StepResult], bool]] = deque()
+        last_result_at = time.perf_counter()  # when the last result came back, or the loop last woke from idling
         while True:
             scheduler = self.scheduler
             assert scheduler is not None
@@ -257,12 +257,13 @@ class AsyncEngine:
                 # for blocks that only a finishing request frees): wait for a change.
                 self._wake.clear()
                 await self._wake.wait()
+                last_result_at = time.perf_counter()  # time spent idle is no step's cost
                 continue
-            future, planned_at, overlapped = in_flight.popleft()
+            future, overlapped = in_flight.popleft()
             try:
                 result = await future
             except Exception as exc:  # noqa: BLE001 - the executor is gone or broke: its state is lost either way
-                for pending, _, _ in in_flight:  # they went down with the same stream
+                for pending, _ in in_flight:  # they went down with the same stream
                     pending.cancel()
                 in_flight.clear()
                 if not isinstance(exc, ExecutorUnavailable):
@@ -271,9 +272,10 @@ class AsyncEngine:
                 continue
             self.num_steps += 1
             started, cpu = time.perf_counter(), time.thread_time()
-            # What the step cost in wall time: from the previous result (overlapped) or from
-            # its planning (one step at a time, or after idling) to its result.
-            period, last_result_at = started - max(last_result_at, planned_at), started
+            # What the step cost in wall time: from the previous result to its own, the same
+            # measure whether steps overlap or run one at a time (then it includes handling the
+            # previous result and planning this step), and from the wake-up after idling.
+            period, last_result_at = started - last_result_at, started
             updates = scheduler.update(result, period, overlapped)
             self._spent("update", started, cpu)
             if len(in_flight) < depth and scheduler.has_work:
@@ -299,7 +301,7 @@ class AsyncEngine:
         self._spent("schedule", started, cpu)
         if plan.is_empty:
             return False
-        in_flight.append((asyncio.ensure_future(self.executor.step(plan)), started, bool(in_flight)))
+        in_flight.append((asyncio.ensure_future(self.executor.step(plan)), bool(in_flight)))
         return True
 
     def _detokenize(self, updates: list[RequestUpdate]) -> dict[str, str]:

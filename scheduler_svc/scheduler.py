@@ -107,6 +107,7 @@ class Scheduler:
         self.drafts = DraftStats(by_position=[0] * config.max_draft_tokens,
                                  accepted_by_position=[0] * config.max_draft_tokens)
         self.draft_policy = DraftLengthPolicy(config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size)
+        self._drafts_asked = False  # whether the last plan asked any request for drafts
         self._generation_steps: dict[int, int] = {}  # step id -> tokens, for generation steps in flight
 
     @property
@@ -159,7 +160,9 @@ class Scheduler:
         order = self._running_order()
         draft_length, drafts_of = self._choose_draft_length(order)
         max_seq_len = self.config.max_seq_len
-        speculating = bool(self.config.max_draft_tokens)
+        # Drafts to ask each request for, for its next step (0: speculation is off and not probing).
+        propose_now = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
+        asked = False
         allocate_slots = self.kv.allocate_slots
         chosen = step.chosen
         running = RequestStatus.RUNNING
@@ -184,8 +187,9 @@ class Scheduler:
                 count = missing if missing <= budget else self._chunk(missing, budget)
                 if count == 0:
                     continue
-            if speculating:
-                propose, lookahead = self._propose_for(request, computed + count, held)
+            if propose_now:
+                propose, lookahead = self._propose_for(request, computed + count, held, propose_now)
+                asked = asked or propose > 0
             else:
                 propose = lookahead = 0
             need = computed + count + lookahead
@@ -200,6 +204,7 @@ class Scheduler:
             if new_blocks is not None:
                 chosen[request_id] = _Scheduled(request, count, new_blocks, drafts, propose)
                 step.token_budget -= count
+        self._drafts_asked = asked
 
     def _running_order(self) -> list[Request]:
         """By priority; within one, generation work (one missing token) before context in progress."""
@@ -228,6 +233,8 @@ class Scheduler:
         """The step's draft length, and the drafts each request may verify (cut to its limits)."""
         if not self.config.max_draft_tokens:
             return 0, {}
+        if not self._drafts_asked:  # no plan asked for drafts since the last step: none to look for
+            return self.draft_policy.choose([], 0), {}
         candidates, other, drafts_of = [], 0, {}
         for request in order:
             drafts = self._drafts_for(request)
@@ -243,17 +250,18 @@ class Scheduler:
             drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}
         return draft_length, drafts_of
 
-    def _propose_for(self, request: Request, computed_after: int, held: int) -> tuple[int, int]:
+    def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).
 
         ``computed_after`` is where this step leaves ``num_computed_tokens``; nothing is
-        proposed unless this step samples the request's next token.
+        proposed unless this step samples the request's next token. ``wanted``: what the
+        draft-length policy asks every request for this step.
         """
         cfg = self.config
-        if not cfg.max_draft_tokens or not request.can_speculate or computed_after < held:
+        if not request.can_speculate or computed_after < held:
             return 0, 0
         limit = min(request.max_total_tokens, cfg.max_seq_len) - computed_after
-        propose = max(0, min(self.draft_policy.drafts_to_propose(), limit))
+        propose = max(0, min(wanted, limit))
         return propose, propose if cfg.draft_lookahead_slots else 0
 
     def _admit_waiting(self, step: _Step) -> None:
@@ -275,7 +283,9 @@ class Scheduler:
             count = self._chunk(request.num_tokens - num_cached, step.token_budget)
             if count == 0:
                 break
-            propose, lookahead = self._propose_for(request, num_cached + count, request.num_tokens)
+            wanted = self.draft_policy.drafts_to_propose() if cfg.max_draft_tokens else 0
+            propose, lookahead = self._propose_for(request, num_cached + count, request.num_tokens, wanted) if wanted else (0, 0)
+            self._drafts_asked = self._drafts_asked or propose > 0
             lifetime = request.max_total_tokens if self.guaranteed else None
             if not self.kv.can_admit(hit, num_cached + count + lookahead, lifetime):
                 if self._preempt_lower_priority(request, step):
