@@ -244,7 +244,7 @@ class Scheduler:
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        draft_length = self.draft_policy.choose(candidates, other)
+        draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting)
         limit = self.draft_policy.verify_limit
         if limit is not None:  # a probe with room for only some of them: the first in order verify
             drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}

@@ -22,11 +22,22 @@ hides the rest behind); K > 0 costs what steps run one at a time cost.
 Costs are learned per power-of-two bucket of T, each bucket keeping its last
 few measurements and using their median (one slow step, a compilation, does
 not stick; a host that is often slow counts), and interpolated between
-buckets. Until a bucket has a few measurements it counts its fastest one, so
-a first step that happened to be slow does not rule its size out for good:
-the size gets tried again and the median takes over. Step sizes past the
+buckets. A bucket counts once it has a few measurements: until then its size
+costs what the measured buckets around it say, so a first step that happened
+to be slow (a kernel loading, a pinned buffer allocated) does not rule its
+size out; the size gets tried again and its median takes over (while no
+bucket has enough, each counts its fastest step). Step sizes past the
 largest measured one are assumed to cost what it did, which is optimistic,
 so a larger K gets tried and then judged by its real cost.
+
+What is maximised depends on the queue. While requests wait, finished
+requests are replaced at once, so the batch's total tokens per second is
+what serves them soonest: the sum above. When none waits, the batch only
+drains, and it is done when its slowest request is; a longer step that helps
+the requests whose drafts are accepted slows the ones without drafts (or
+with poor ones). Then K maximises the rate of the request that gains least,
+min_i (1 + E_i(min(K, drafts_i))) / cost, counting every request in the step
+without drafts as gaining nothing: no running request gets slower.
 
 K = 0 turns speculation off; while it stays off, steps overlap again (the
 scheduler plans the next step before the last result is back), and a short
@@ -53,7 +64,7 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
 RECENT = 8  # measurements each step-size bucket keeps
-TRUSTED = 3  # measurements after which a bucket's median counts (before: its fastest)
+TRUSTED = 3  # measurements after which a bucket counts (its median)
 PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
@@ -106,12 +117,11 @@ class StepCosts:
         self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds))
 
     def points(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) per bucket: its median recent step, or its fastest while it has few."""
-        points = []
-        for window in self.recent.values():
-            ranked = sorted(window, key=lambda p: p[1])
-            points.append(ranked[len(ranked) // 2] if len(ranked) >= TRUSTED else ranked[0])
-        return sorted(points)
+        """(tokens, seconds) per bucket with enough measurements: its median recent step.
+        While no bucket has enough, every bucket's fastest step."""
+        ranked = [sorted(window, key=lambda p: p[1]) for window in self.recent.values()]
+        trusted = [r[len(r) // 2] for r in ranked if len(r) >= TRUSTED]
+        return sorted(trusted or [r[0] for r in ranked])
 
     def step_seconds(self, num_tokens: int) -> float | None:
         points = self.points()
@@ -153,8 +163,9 @@ class DraftLengthPolicy:
         self._probe_start = PROBE_EVERY  # the step (as counted by choose) where the next probe begins
         self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
 
-    def choose(self, candidates: list[Candidate], other_tokens: int) -> int:
-        """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens."""
+    def choose(self, candidates: list[Candidate], other_tokens: int, draining: bool = False) -> int:
+        """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens;
+        ``draining``: no request waits, so no running request may get slower (see the module docstring)."""
         self._steps += 1
         self.verify_limit = None
         if not candidates:
@@ -171,7 +182,11 @@ class DraftLengthPolicy:
             if seconds is None:  # nothing measured yet: speculate fully once and learn
                 best_k = self.max_draft_tokens
                 break
-            tokens = sum(1 + expected_accepted(c.rate, d) for c, d in zip(candidates, drafts))
+            gains = [1 + expected_accepted(c.rate, d) for c, d in zip(candidates, drafts)]
+            if draining:  # the request that gains least; one without drafts gains one token a step
+                tokens = min(gains + [1.0] * bool(other_tokens))
+            else:
+                tokens = sum(gains)
             goodput = tokens / max(seconds, 1e-9)
             estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly

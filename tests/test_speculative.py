@@ -183,17 +183,36 @@ def test_draft_length_follows_the_measured_step_cost():
 
 
 def test_a_slow_first_step_does_not_rule_its_size_out():
-    """Until a size has a few measurements its fastest counts; then their median does."""
+    """A size counts once it has a few measurements; until then the measured sizes around it say what it costs."""
     from scheduler_svc.speculation import StepCosts
 
     costs = StepCosts()
-    costs.observe(9, 0.030)  # the first step of this size paid a one-off cost
+    costs.observe(9, 0.030)  # alone, the first step of its size counts
     assert costs.step_seconds(9) == pytest.approx(0.030)
-    costs.observe(9, 0.0015)
-    assert costs.step_seconds(9) == pytest.approx(0.0015)  # tried again: the fast step counts
     for _ in range(3):
-        costs.observe(9, 0.030)
-    assert costs.step_seconds(9) == pytest.approx(0.030)  # slow most of the time: the median says so
+        costs.observe(4, 0.002)
+    costs.observe(9, 0.030)  # a one-off cost (a kernel loading), twice
+    assert costs.step_seconds(9) == pytest.approx(0.002)  # not trusted yet: the measured size next to it counts
+    costs.observe(9, 0.0021)
+    assert costs.step_seconds(9) == pytest.approx(0.030)  # three measurements: their median
+    costs.observe(9, 0.0021)
+    costs.observe(9, 0.0021)
+    assert costs.step_seconds(9) == pytest.approx(0.0021)
+
+
+def test_a_draining_batch_speculates_only_when_no_request_gets_slower():
+    """With requests waiting, K maximises the batch's tokens per second; with none, the slowest request's."""
+    policy = DraftLengthPolicy(max_draft_tokens=4)
+    policy._steps = 10  # not a probe step
+    for tokens in (8, 16, 32, 64):
+        policy.observe(tokens, 0.020, overlapped=False, executor_seconds=0.009)
+    policy.observe(8, 0.010, overlapped=True, executor_seconds=0.009)  # overlapped steps cost half
+    mixed = [Candidate(str(i), 4, 0.9) for i in range(7)] + [Candidate("poor", 4, 0.1)]
+    assert policy.choose(mixed, 0) == 4  # the batch gains: 7 requests get about 4 tokens a step
+    assert policy.choose(mixed, 0, draining=True) == 0  # but "poor" would get 1.1 tokens per 20 ms, not 1 per 10
+    good = [Candidate(str(i), 4, 0.9) for i in range(8)]
+    assert policy.choose(good, 0, draining=True) == 4
+    assert policy.choose(good, 8, draining=True) == 0  # other requests in the step have no drafts
 
 
 def test_probes_back_off_while_speculation_does_not_pay():
