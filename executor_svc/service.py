@@ -65,6 +65,8 @@ class ExecutorService(ex_grpc.ExecutorServicer):
             try:
                 for plan_pb in request_iterator:
                     self.pipeline.submit(wire.plan_from_pb(plan_pb), results.put)
+            except ValueError as exc:  # a malformed plan: end the stream, the scheduler attaches again
+                log.error("malformed step plan, closing the step stream: %s", exc)
             except Exception as exc:  # noqa: BLE001 - the stream broke: the scheduler is gone
                 log.info("step stream ended: %s", exc)
             finally:

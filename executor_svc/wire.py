@@ -4,6 +4,7 @@ that touches generated protobuf classes."""
 from __future__ import annotations
 
 from protos import executor_pb2 as ex
+from protos.columns import flatten, split
 from protos.plan import BlockCopy, CachedRequest, ExecutorInfo, NewRequest, SamplingConfig, StepPlan, StepResult
 
 
@@ -17,6 +18,7 @@ def _sampling_from_pb(s: ex.SamplingConfig) -> SamplingConfig:
 
 
 def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
+    """Raises ValueError when the cached-request columns disagree in length (a malformed plan)."""
     return StepPlan(
         step_id=msg.step_id,
         new_requests=[
@@ -28,18 +30,27 @@ def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
             )
             for r in msg.new_requests
         ],
-        cached_requests=[
-            CachedRequest(
-                request_id=c.request_id, num_computed_tokens=c.num_computed_tokens,
-                num_scheduled_tokens=c.num_scheduled_tokens, new_block_ids=list(c.new_block_ids),
-                draft_token_ids=list(c.draft_token_ids), num_drafts_to_propose=c.num_drafts_to_propose,
-            )
-            for c in msg.cached_requests
-        ],
+        cached_requests=_cached_from_pb(msg.step_id, msg.cached_requests),
         finished_request_ids=list(msg.finished_request_ids),
         swap_out=[BlockCopy(c.device_block, c.host_slot) for c in msg.swap_out],
         swap_in=[BlockCopy(c.device_block, c.host_slot) for c in msg.swap_in],
     )
+
+
+def _cached_from_pb(step_id: int, columns: ex.CachedRequests) -> list[CachedRequest]:
+    ids = list(columns.request_ids)
+    computed, scheduled = list(columns.num_computed_tokens), list(columns.num_scheduled_tokens)
+    block_counts, draft_counts = list(columns.new_block_counts), list(columns.draft_counts)
+    propose = list(columns.num_drafts_to_propose)
+    if not len(computed) == len(scheduled) == len(block_counts) == len(draft_counts) == len(propose) == len(ids):
+        raise ValueError(
+            f"plan {step_id}: cached-request columns of {len(ids)} ids, {len(computed)} computed, "
+            f"{len(scheduled)} scheduled, {len(block_counts)} block counts, {len(draft_counts)} draft counts and "
+            f"{len(propose)} proposal counts"
+        )
+    blocks = split(columns.new_block_ids, block_counts)
+    drafts = split(columns.draft_token_ids, draft_counts)
+    return [CachedRequest(*request) for request in zip(ids, computed, scheduled, blocks, drafts, propose)]
 
 
 def result_to_pb(result: StepResult) -> ex.StepResult:
@@ -47,13 +58,17 @@ def result_to_pb(result: StepResult) -> ex.StepResult:
         step_id=result.step_id, forward_us=result.forward_us, sample_us=result.sample_us, step_us=result.step_us,
         draft_us=result.draft_us,
     )
-    for o in result.outputs:
-        msg.outputs.append(
-            ex.RequestOutput(
-                request_id=o.request_id, token_ids=o.token_ids, next_draft_token_ids=o.next_draft_token_ids,
-                num_accepted_drafts=o.num_accepted_drafts,
-            )
-        )
+    outputs = result.outputs
+    if outputs:
+        columns = msg.outputs
+        columns.request_ids.extend([o.request_id for o in outputs])
+        counts, tokens = flatten([o.token_ids for o in outputs])
+        columns.token_counts.extend(counts)
+        columns.token_ids.extend(tokens)
+        counts, drafts = flatten([o.next_draft_token_ids for o in outputs])
+        columns.next_draft_counts.extend(counts)
+        columns.next_draft_token_ids.extend(drafts)
+        columns.num_accepted_drafts.extend([o.num_accepted_drafts for o in outputs])
     msg.request_errors.update(result.request_errors)
     return msg
 

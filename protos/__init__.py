@@ -1,7 +1,7 @@
 """The wire contracts of inflight.
 
 ``generation.proto`` is the public API (package ``inflight.v1``) and
-``executor.proto`` the scheduler <-> executor protocol (``inflight.executor.v1``).
+``executor.proto`` the scheduler <-> executor protocol (``inflight.executor.v2``).
 The Python stubs are generated next to them (``generation_pb2.py`` ...) by
 ``python -m protos`` (``make protos``); when they are missing or older than the
 ``.proto`` files and grpcio-tools is installed, importing this package generates

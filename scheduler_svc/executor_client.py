@@ -1,7 +1,7 @@
 """How the scheduler reaches an executor.
 
 ``ExecutorConnection`` is the whole interface: Info once, then one StepResult
-per StepPlan. ``GrpcExecutorConnection`` speaks the ``inflight.executor.v1``
+per StepPlan. ``GrpcExecutorConnection`` speaks the ``inflight.executor.v2``
 protocol over one bidirectional stream; the offline LLM API plugs an
 in-process runner into the same interface from above.
 """
@@ -90,9 +90,14 @@ class GrpcExecutorConnection:
                     self._fail(f"executor at {self.address} closed the step stream", call)
                     return
                 if self._waiting:
+                    try:
+                        result = wire.result_from_pb(reply)
+                    except ValueError as exc:  # columns that disagree: nothing on this stream can be trusted
+                        self._fail(f"executor at {self.address} sent a malformed result: {exc}", call)
+                        return
                     future = self._waiting.popleft()
                     if not future.done():
-                        future.set_result(wire.result_from_pb(reply))
+                        future.set_result(result)
         except grpc.aio.AioRpcError as exc:
             self._fail(f"executor at {self.address}: {exc.code().name}: {exc.details()}", call)
         except asyncio.CancelledError:

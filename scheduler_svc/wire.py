@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from protos import executor_pb2 as ex
 from protos import generation_pb2 as pb
+from protos.columns import flatten, split
 from kvcache.eviction_queue import KvCacheRetention
 from kvcache.reuse_stats import NotReusedTokens
 from protos.plan import ExecutorInfo, RequestOutput, SamplingConfig, StepPlan, StepResult
@@ -154,24 +155,38 @@ def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
                 num_drafts_to_propose=r.num_drafts_to_propose,
             )
         )
-    for c in plan.cached_requests:
-        msg.cached_requests.append(
-            ex.CachedRequest(
-                request_id=c.request_id, num_computed_tokens=c.num_computed_tokens,
-                num_scheduled_tokens=c.num_scheduled_tokens, new_block_ids=c.new_block_ids,
-                draft_token_ids=c.draft_token_ids, num_drafts_to_propose=c.num_drafts_to_propose,
-            )
-        )
+    cached = plan.cached_requests
+    if cached:
+        columns = msg.cached_requests
+        columns.request_ids.extend([c.request_id for c in cached])
+        columns.num_computed_tokens.extend([c.num_computed_tokens for c in cached])
+        columns.num_scheduled_tokens.extend([c.num_scheduled_tokens for c in cached])
+        counts, blocks = flatten([c.new_block_ids for c in cached])
+        columns.new_block_counts.extend(counts)
+        columns.new_block_ids.extend(blocks)
+        counts, drafts = flatten([c.draft_token_ids for c in cached])
+        columns.draft_counts.extend(counts)
+        columns.draft_token_ids.extend(drafts)
+        columns.num_drafts_to_propose.extend([c.num_drafts_to_propose for c in cached])
     return msg
 
 
 def result_from_pb(msg: ex.StepResult) -> StepResult:
+    """Raises ValueError when the output columns disagree in length (a malformed result)."""
+    columns = msg.outputs
+    ids = list(columns.request_ids)
+    accepted = list(columns.num_accepted_drafts)
+    token_counts, draft_counts = list(columns.token_counts), list(columns.next_draft_counts)
+    if not len(token_counts) == len(draft_counts) == len(accepted) == len(ids):
+        raise ValueError(
+            f"result {msg.step_id}: output columns of {len(ids)} ids, {len(token_counts)} token counts, "
+            f"{len(draft_counts)} draft counts and {len(accepted)} accepted counts"
+        )
+    tokens = split(columns.token_ids, token_counts)
+    drafts = split(columns.next_draft_token_ids, draft_counts)
     return StepResult(
         step_id=msg.step_id,
-        outputs=[
-            RequestOutput(o.request_id, list(o.token_ids), list(o.next_draft_token_ids), o.num_accepted_drafts)
-            for o in msg.outputs
-        ],
+        outputs=[RequestOutput(*output) for output in zip(ids, tokens, drafts, accepted)],
         forward_us=msg.forward_us, sample_us=msg.sample_us, step_us=msg.step_us, draft_us=msg.draft_us,
         request_errors=dict(msg.request_errors),
     )
