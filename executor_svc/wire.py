@@ -4,7 +4,7 @@ that touches generated protobuf classes."""
 from __future__ import annotations
 
 from protos import executor_pb2 as ex
-from protos.columns import flatten, split
+from protos.columns import split, write_lists
 from protos.plan import BlockCopy, CachedRequest, ExecutorInfo, NewRequest, SamplingConfig, StepPlan, StepResult
 
 
@@ -62,12 +62,8 @@ def result_to_pb(result: StepResult) -> ex.StepResult:
     if outputs:
         columns = msg.outputs
         columns.request_ids.extend([o.request_id for o in outputs])
-        counts, tokens = flatten([o.token_ids for o in outputs])
-        columns.token_counts.extend(counts)
-        columns.token_ids.extend(tokens)
-        counts, drafts = flatten([o.next_draft_token_ids for o in outputs])
-        columns.next_draft_counts.extend(counts)
-        columns.next_draft_token_ids.extend(drafts)
+        write_lists(columns.token_counts, columns.token_ids, [o.token_ids for o in outputs])
+        write_lists(columns.next_draft_counts, columns.next_draft_token_ids, [o.next_draft_token_ids for o in outputs])
         columns.num_accepted_drafts.extend([o.num_accepted_drafts for o in outputs])
     msg.request_errors.update(result.request_errors)
     return msg

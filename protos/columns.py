@@ -8,13 +8,20 @@ services' ``wire.py`` use these two functions for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from itertools import accumulate
 
 
 def flatten(lists: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
     """(count per list, all values back to back)."""
     return [len(values) for values in lists], [value for values in lists for value in values]
+
+
+def write_lists(counts: MutableSequence[int], flat: MutableSequence[int], lists: Sequence[Sequence[int]]) -> None:
+    """Append ``lists`` to a message's count column and its flat column."""
+    lengths, values = flatten(lists)
+    counts.extend(lengths)
+    flat.extend(values)
 
 
 def split(flat: Sequence[int], counts: Sequence[int]) -> list[list[int]]:

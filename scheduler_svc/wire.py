@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from protos import executor_pb2 as ex
 from protos import generation_pb2 as pb
-from protos.columns import flatten, split
+from protos.columns import split, write_lists
 from kvcache.eviction_queue import KvCacheRetention
 from kvcache.reuse_stats import NotReusedTokens
 from protos.plan import ExecutorInfo, RequestOutput, SamplingConfig, StepPlan, StepResult
@@ -161,12 +161,8 @@ def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
         columns.request_ids.extend([c.request_id for c in cached])
         columns.num_computed_tokens.extend([c.num_computed_tokens for c in cached])
         columns.num_scheduled_tokens.extend([c.num_scheduled_tokens for c in cached])
-        counts, blocks = flatten([c.new_block_ids for c in cached])
-        columns.new_block_counts.extend(counts)
-        columns.new_block_ids.extend(blocks)
-        counts, drafts = flatten([c.draft_token_ids for c in cached])
-        columns.draft_counts.extend(counts)
-        columns.draft_token_ids.extend(drafts)
+        write_lists(columns.new_block_counts, columns.new_block_ids, [c.new_block_ids for c in cached])
+        write_lists(columns.draft_counts, columns.draft_token_ids, [c.draft_token_ids for c in cached])
         columns.num_drafts_to_propose.extend([c.num_drafts_to_propose for c in cached])
     return msg
 
