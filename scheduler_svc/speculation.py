@@ -169,6 +169,8 @@ class DraftLengthPolicy:
         self._steps += 1
         self.verify_limit = None
         if not candidates:
+            if self.last_k == 0:  # off, and no request asked for drafts: a probe window may pass unused
+                self._schedule_probes(0)
             return self.last_k
         if not self.adaptive:
             self.last_k = self.max_draft_tokens

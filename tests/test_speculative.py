@@ -259,10 +259,21 @@ def test_probes_stay_within_the_executors_batch():
     probes = [c for c in chosen if c[0]]
     assert probes and all(c == (1, 16) for c in probes)  # 48 + 16 drafts = 64 tokens
     assert policy.drafts_to_propose() == 0  # the probe is over
+    # As the scheduler drives it: requests have drafts only when the step before asked for them.
     policy = policy_after(64)
     full = [Candidate(str(i), 4, 0.3) for i in range(64)]
-    assert all(policy.choose(full, 0) == 0 for _ in range(4 * PROBE_EVERY))
-    assert policy.drafts_to_propose() == 0 and policy._probe_every > PROBE_EVERY  # backed off as after a probe
+    asked, probed_at = 0, []
+    for step in range(6 * PROBE_EVERY):
+        tokens = 64 if step < 3 * PROBE_EVERY else 48  # a full batch, then some requests finish
+        candidates = full[:tokens] if asked else []
+        k = policy.choose(candidates, 0) if candidates else (policy.choose([], 0) and 0)  # no drafts: nothing verified
+        if k:
+            probed_at.append(step)
+            assert tokens == 48 and policy.verify_limit == 16
+        policy.observe(tokens + (k and 16), 0.010, overlapped=not k, executor_seconds=0.0)
+        asked = policy.drafts_to_propose()
+    assert probed_at, "probes came back once the batch had room"
+    assert policy._probe_every > PROBE_EVERY  # the windows that passed at the full batch counted as probes
 
 
 # -- end to end ------------------------------------------------------------------
