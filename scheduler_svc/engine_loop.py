@@ -269,6 +269,7 @@ class AsyncEngine:
                 if not isinstance(exc, ExecutorUnavailable):
                     log.exception("executor step failed")
                 await self._executor_lost(str(exc) if isinstance(exc, ExecutorUnavailable) else f"step failed: {type(exc).__name__}: {exc}")
+                last_result_at = time.perf_counter()  # nor is the time spent attaching again
                 continue
             self.num_steps += 1
             started, cpu = time.perf_counter(), time.thread_time()
