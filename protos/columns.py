@@ -3,7 +3,7 @@
 ``executor.proto`` sends a step's cached requests and outputs as parallel
 columns; a variable-length field (new block ids, drafts, sampled tokens)
 travels as every request's values back to back plus a count per request. Both
-services' ``wire.py`` use these two functions for it.
+services' ``wire.py`` write them with ``write_lists`` and read them with ``split``.
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ class _Step:
 
     token_budget: int
     chosen: dict[str, _Scheduled] = field(default_factory=dict)
+    # Drafts each request is asked for, for its next step (0: speculation is off and not probing).
+    drafts_to_propose: int = 0
     preempted: set[str] = field(default_factory=set)
 
 
@@ -160,8 +162,7 @@ class Scheduler:
         order = self._running_order()
         draft_length, drafts_of = self._choose_draft_length(order)
         max_seq_len = self.config.max_seq_len
-        # Drafts to ask each request for, for its next step (0: speculation is off and not probing).
-        propose_now = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
+        propose_now = step.drafts_to_propose = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
         asked = False
         allocate_slots = self.kv.allocate_slots
         chosen = step.chosen
@@ -283,7 +284,7 @@ class Scheduler:
             count = self._chunk(request.num_tokens - num_cached, step.token_budget)
             if count == 0:
                 break
-            wanted = self.draft_policy.drafts_to_propose() if cfg.max_draft_tokens else 0
+            wanted = step.drafts_to_propose
             propose, lookahead = self._propose_for(request, num_cached + count, request.num_tokens, wanted) if wanted else (0, 0)
             self._drafts_asked = self._drafts_asked or propose > 0
             lifetime = request.max_total_tokens if self.guaranteed else None
