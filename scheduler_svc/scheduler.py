@@ -108,7 +108,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.drafts = DraftStats(by_position=[0] * config.max_draft_tokens,
                                  accepted_by_position=[0] * config.max_draft_tokens)
-        self.draft_policy = DraftLengthPolicy(config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size)
+        self.draft_policy = DraftLengthPolicy(
+            config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size
+        )
         self._drafts_asked = False  # whether the last plan asked any request for drafts
         self._generation_steps: dict[int, int] = {}  # step id -> tokens, for generation steps in flight
 
@@ -162,7 +164,8 @@ class Scheduler:
         order = self._running_order()
         draft_length, drafts_of = self._choose_draft_length(order)
         max_seq_len = self.config.max_seq_len
-        propose_now = step.drafts_to_propose = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
+        propose_now = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
+        step.drafts_to_propose = propose_now
         asked = False
         allocate_slots = self.kv.allocate_slots
         chosen = step.chosen
@@ -285,7 +288,9 @@ class Scheduler:
             if count == 0:
                 break
             wanted = step.drafts_to_propose
-            propose, lookahead = self._propose_for(request, num_cached + count, request.num_tokens, wanted) if wanted else (0, 0)
+            propose, lookahead = (
+                self._propose_for(request, num_cached + count, request.num_tokens, wanted) if wanted else (0, 0)
+            )
             self._drafts_asked = self._drafts_asked or propose > 0
             lifetime = request.max_total_tokens if self.guaranteed else None
             if not self.kv.can_admit(hit, num_cached + count + lookahead, lifetime):
