@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME", help="kernel choice for the build")
     p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="tokenizer files for the shape folder")
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="also run this many generation steps under the torch profiler and record each mode's kernels")
     p.add_argument("--output", default=None, help="JSON file to write (default: stdout only)")
     return p.parse_args(argv)
 
@@ -120,6 +122,7 @@ def time_mode(label: str, checkpoint: Path, args: argparse.Namespace, dtype: str
     step_times: list[float] = []
     greedy_generate(engine, prompts, args.decode_tokens + 1, step_times)
     ms = [t * 1e3 for t in step_times]
+    kernel_profile = profile_kernels(engine, prompts, args.profile_steps) if args.profile_steps else None
     gemms = {k: c for k, c in manifest.plugins.items() if k.startswith("gemm")}
     kernels = {k: {"name": c.name, "timings_us": c.timings_us} for k, c in gemms.items()}
     kv = {
@@ -140,7 +143,33 @@ def time_mode(label: str, checkpoint: Path, args: argparse.Namespace, dtype: str
         "gemm_kernels": kernels,
         **kv,
         "setup_seconds": round(setup_s, 1),
+        **({"kernel_profile": kernel_profile} if kernel_profile else {}),
     }
+
+
+def profile_kernels(engine, prompts: list[list[int]], steps: int, top: int = 30) -> dict:
+    """Device time per generation step by kernel, over ``steps`` steps under the torch profiler.
+
+    ``gpu_us_per_step`` is the kernels' summed time: against the timed step it shows
+    how much of a step the device spends idle (waiting for the host to launch).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        greedy_generate(engine, prompts, steps + 1)  # + the context step, excluded below by per-step division
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us <= 0 or event.key.startswith(("aten::", "cuda")):
+            continue  # kernels only (aten ops repeat their kernels' time)
+        rows.append({"kernel": event.key[:120], "calls_per_step": round(event.count / steps, 2),
+                     "us_per_step": round(device_us / steps, 2)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "note": "includes the one context step spread over the steps",
+            "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "kernels": rows[:top]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,9 @@ and reports output tokens/s with each mode against none, the mean accepted
 length (tokens a request gets per step) and acceptance by draft position.
 Batch N submits N requests at once (EOS ignored, fixed length) and compares
 output tokens/s: the load-aware draft length must keep it from dropping.
+Mode ``ngram`` chains up to ``--speculative-rounds`` verification rounds per
+step on the device; ``ngram_one_round`` verifies one round per step, for
+comparison.
 
 ``verify-cost`` (random weights of a target and a draft of its family, e.g.
 Llama-3.1-8B and Llama-3.2-1B): step time of verifying k drafts against a
@@ -90,9 +93,12 @@ CHAT = [
 def _mode_config(name: str, args):
     from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 
-    # "none_serial": no speculation and no overlapped scheduling (what speculation gives up).
-    mode = SpeculativeMode("" if name in ("none", "none_serial") else name)
-    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max)
+    # "none_serial": no speculation and no overlapped scheduling (what speculation gives up);
+    # "ngram_one_round": prompt lookup verified one round per step (no rounds chained on the device).
+    base = {"none_serial": "none", "ngram_one_round": "ngram"}.get(name, name)
+    mode = SpeculativeMode("" if base == "none" else base)
+    rounds = 1 if name == "ngram_one_round" else args.speculative_rounds
+    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, max_rounds=rounds)
 
 
 async def _run(async_engine, requests, desc: str) -> dict:
@@ -198,7 +204,9 @@ def run_generate(args) -> dict:
                 # Where the host's time goes per step: the scheduler's loop and the executor's runner.
                 "host_ms_per_step": {k: (v - host_before[k]) * 1e3 / max(total_steps, 1) for k, v in host_after.items()},
                 "output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
-                "mean_accepted_length": (tokens - len(runs)) / max(steps, 1),
+                "mean_accepted_length": (tokens - len(runs)) / max(steps, 1),  # tokens per step (all its rounds)
+                # Tokens per verification (round): the accepted drafts plus the target's own token.
+                "mean_tokens_per_verification": 1 + accepted / drafted[0] if drafted and drafted[0] else None,
                 "draft_tokens": proposed, "accepted_draft_tokens": accepted,
                 "acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": _rates(drafted, accepted_at),
                 "outputs": [r["outputs"][0] for r in runs],
@@ -394,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--num-draft-tokens", type=int, default=4)
         p.add_argument("--ngram-min", type=int, default=2)
         p.add_argument("--ngram-max", type=int, default=4)
+        p.add_argument("--speculative-rounds", type=int, default=4, help="ngram: most verification rounds chained per step")
         p.add_argument("--max-num-tokens", type=int, default=8192)
         p.add_argument("--max-seq-len", type=int, default=4096)
         p.add_argument("--tokens-per-block", type=int, default=16)

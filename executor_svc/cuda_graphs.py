@@ -178,3 +178,37 @@ class DecodeGraphs:
         entry.graph.replay()
         self.num_replays += 1
         return entry.logits[:n], entry.hidden[:n]
+
+    def run_device(
+        self,
+        input_ids: torch.Tensor,  # [n] int64, one token per row, on the device
+        positions: torch.Tensor,  # [n] int64
+        slots: torch.Tensor,  # [n] int64
+        context_lens: torch.Tensor,  # [n] int64
+        block_tables: torch.Tensor,  # [n, w] int64: each row's table (ids past its context are not read)
+        max_context_len: int,  # a bound on context_lens, known on the host: picks the table width
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [n, vocab] float32, hidden [n, hidden]
+        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait."""
+        n = input_ids.shape[0]
+        batch = _bucket(self.batch_sizes, n)
+        width = _bucket(self.widths, -(-max_context_len // self.tokens_per_block))
+        assert batch is not None and width is not None, "caller checks fits() first"
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slots)
+        self.context_lens[:n].copy_(context_lens)
+        table = self.block_tables[width]
+        used = min(block_tables.shape[1], width)
+        table[:n, :used].copy_(block_tables[:, :used])
+        if used < width:
+            table[:n, used:].fill_(self.scratch_block)
+        if batch > n:  # padding rows read and write only the scratch block
+            self.input_ids[n:batch].zero_()
+            self.positions[n:batch].zero_()
+            self.slot_mapping[n:batch].fill_(self.scratch_block * self.tokens_per_block)
+            self.context_lens[n:batch].fill_(1)
+            table[n:batch].fill_(self.scratch_block)
+        entry = self.graphs[(batch, width)]
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.logits[:n], entry.hidden[:n]

@@ -18,7 +18,10 @@ attention rows (``packed_forward``), every row's logits judge the draft after
 it (``speculative.verify``), and ``finish`` emits the accepted prefix plus one
 token of the target's, rolls the request's computed count back past the
 rejected drafts (their KV slots are simply overwritten later), and asks the
-proposer for the next step's drafts.
+proposer for the next step's drafts. A plan may also ask for several
+verification rounds, drafted on the device between them
+(``speculative/rounds.py``): the step then verifies and emits each round in
+turn, and ``finish`` reads them all at once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch
 from executor_svc.engine import Engine
 from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK, Segment, pack, run_packed, short_chunks_as_rows, to_device
 from executor_svc.sampler import RequestSamplingState, Sampler
-from executor_svc.speculative.proposer import DraftRequest, build_proposer
+from executor_svc.speculative.proposer import DraftRequest, NgramLookup, build_proposer
+from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, emitted_tokens, run_rounds
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
 from protos.plan import NewRequest, RequestOutput, StepPlan, StepResult
@@ -81,6 +85,9 @@ class LaunchedStep:
     sampling_requests: list[tuple[str, RequestState]] = field(default_factory=list)
     sampled: torch.Tensor | None = None  # [len(sampling_requests)] int64 on the device
     verifications: list[Verification] = field(default_factory=list)
+    rounds: RoundsOutput | None = None  # chained verification rounds (then every scheduled request runs them)
+    num_rounds: int = 0
+    num_drafts: int = 0  # per round, with chained rounds
     # What the host reads: sampled ids, then the verification rows' tokens and accept flags.
     host_values: torch.Tensor | None = None  # on the device until copied
     sampled_host: torch.Tensor | None = None  # pinned copy of host_values, valid once `done` has completed
@@ -111,6 +118,8 @@ class ModelRunner:
         self.max_draft_tokens = 0
         if self.proposer is not None:  # draft heads can guess no further than they have heads
             self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
+        # Verification rounds one step may chain: they draft on the device, which prompt lookup can.
+        self.max_rounds = engine.speculative.device_rounds if isinstance(self.proposer, NgramLookup) else 1
         # Short context chunks run as single-token rows when that makes the step a graph replay
         # (packed_forward.short_chunks_as_rows); 0 keeps every chunk a tile set.
         self.max_rows_per_chunk = MAX_ROWS_PER_CHUNK
@@ -161,7 +170,7 @@ class ModelRunner:
         """Whether ``plan`` needs the previous step finished first: penalties that read a
         token still on its way, or drafts (verified against, and proposed from, known tokens)."""
         for cached in plan.cached_requests:
-            if cached.draft_token_ids or cached.num_drafts_to_propose:
+            if cached.draft_token_ids or cached.num_drafts_to_propose or cached.num_rounds != 1:
                 return True
             state = self.requests.get(cached.request_id)
             if state is not None and state.pending and state.sampling.needs_output_history:
@@ -173,7 +182,10 @@ class ModelRunner:
         so its scheduler plans one step at a time and nothing can be launched behind it."""
         if self.proposer is None:
             return False
-        return bool(step.verifications) or any(state.num_drafts_to_propose for _, state in step.sampling_requests)
+        return (
+            bool(step.verifications) or step.rounds is not None
+            or any(state.num_drafts_to_propose for _, state in step.sampling_requests)
+        )
 
     def _spent(self, phase: str, started: float, cpu: float) -> float:
         spent = time.perf_counter() - started
@@ -190,6 +202,7 @@ class ModelRunner:
         errors: dict[str, str] = {}
         scheduled: list[Scheduled] = []
         drafts: dict[str, list[int]] = {}
+        chained: dict[str, tuple[int, int]] = {}  # request id -> (rounds, drafts per round)
         for new in plan.new_requests:
             try:
                 self._add(new)
@@ -219,6 +232,15 @@ class ModelRunner:
                 )
                 continue
             count = cached.num_scheduled_tokens
+            if cached.num_rounds != 1:
+                problem = self._check_rounds(state, cached)
+                if problem:
+                    errors[request_id] = problem
+                    continue
+                drafts[request_id] = list(cached.draft_token_ids)
+                chained[request_id] = (cached.num_rounds, count // cached.num_rounds - 1)
+                scheduled.append((request_id, state, count))
+                continue
             if cached.draft_token_ids:
                 problem = self._check_drafts(state, cached.draft_token_ids, count)
                 if problem:
@@ -230,10 +252,25 @@ class ModelRunner:
                 errors[request_id] = problem
                 continue
             scheduled.append((request_id, state, count))
+        if chained and (len(chained) != len(scheduled) or len(set(chained.values())) != 1):
+            problem = "chained verification rounds must make up the whole step, with one round count and draft length"
+            for request_id in chained:
+                errors[request_id] = problem
+            scheduled = [item for item in scheduled if item[0] not in chained]
+            chained = {}
         for request_id in errors:
             self._drop(request_id)
 
         step = LaunchedStep(result=StepResult(step_id=plan.step_id, request_errors=errors), started=started)
+        if chained:
+            step.num_rounds, step.num_drafts = next(iter(chained.values()))
+            step.scheduled = scheduled
+            try:
+                self._launch_rounds(step, drafts)
+            except Exception as exc:  # a failed forward fails its batch, not the executor
+                step.error = f"step failed: {type(exc).__name__}: {exc}"
+            self._spent("launch", started, cpu)
+            return step
         # Context work (several tokens of one query) is packed before generation work and draft chains.
         if drafts or any(item[2] != 1 for item in scheduled):
             scheduled.sort(key=lambda item: item[2] == 1 or item[0] in drafts)
@@ -276,6 +313,75 @@ class ModelRunner:
             return "drafts cannot be verified for a request with penalties or min_tokens"
         return ""
 
+    def _check_rounds(self, state: RequestState, cached) -> str:
+        """Why ``cached`` (a CachedRequest) cannot run its chained verification rounds ('' when it can)."""
+        rounds, count, drafts = cached.num_rounds, cached.num_scheduled_tokens, cached.draft_token_ids
+        if not 1 < rounds <= self.max_rounds:
+            return f"{rounds} verification rounds asked; this executor chains at most {self.max_rounds}"
+        if count % rounds or not 1 <= count // rounds - 1 <= self.max_draft_tokens:
+            return (
+                f"{rounds} rounds need num_scheduled_tokens = rounds * (1 + k) with 1 <= k <= "
+                f"{self.max_draft_tokens}, got {count}"
+            )
+        if len(drafts) > count // rounds - 1 or any(t < 0 or t >= self.vocab_size for t in drafts):
+            return f"{len(drafts)} drafts for rounds of {count // rounds - 1}, or a draft id outside [0, {self.vocab_size})"
+        if state.pending or state.num_computed_tokens != len(state.token_ids) - 1:
+            return (
+                f"verification rounds start after the last token: the request holds {state.num_tokens} tokens, "
+                f"{state.num_computed_tokens} computed"
+            )
+        if state.sampling.needs_output_history:
+            return "drafts cannot be verified for a request with penalties or min_tokens"
+        end = state.num_computed_tokens + count
+        if end > len(state.block_table) * self.tokens_per_block or end > self.engine.max_seq_len:
+            return (
+                f"{rounds} rounds of {count // rounds} tokens need {end} KV slots: the blocks hold "
+                f"{len(state.block_table) * self.tokens_per_block}, max_seq_len is {self.engine.max_seq_len}"
+            )
+        return ""
+
+    @torch.inference_mode()
+    def _launch_rounds(self, step: LaunchedStep, drafts: dict[str, list[int]]) -> None:
+        """Queue a step of chained verification rounds (``speculative/rounds.py``) and the copy of their tokens."""
+        start_mark = self.timeline.mark() if self.timeline is not None else None
+        requests = [
+            RoundsRequest(state.token_ids, state.block_table, drafts[request_id], state.sampling)
+            for request_id, state, _ in step.scheduled
+        ]
+        forward_start = time.perf_counter()
+        step.rounds = run_rounds(
+            self.engine.model, self.engine.kv_cache, self.engine.decode_graphs, self.tokens_per_block, requests,
+            step.num_drafts, step.num_rounds, (self.proposer.min_n, self.proposer.max_n),
+        )
+        step.host_values = torch.cat([step.rounds.tokens.flatten(), step.rounds.accepted.flatten()])
+        if self.device.type == "cuda":
+            step.sampled_host = torch.empty(step.host_values.shape, dtype=torch.int64, pin_memory=True)
+            step.sampled_host.copy_(step.host_values, non_blocking=True)
+            step.done = torch.cuda.Event()
+            step.done.record()
+        if start_mark is not None:
+            step.marks = (start_mark, self.timeline.mark())
+        step.result.forward_us = int((time.perf_counter() - forward_start) * 1e6)
+        step.num_tokens = sum(count for _, _, count in step.scheduled)
+        for _, state, count in step.scheduled:
+            state.num_computed_tokens += count
+            state.verifying = True
+
+    def _finish_rounds(
+        self, step: LaunchedStep, values: list[int], to_draft: list[tuple[RequestOutput, RequestState, int]],
+    ) -> None:
+        """Emit every request's tokens of a step of chained rounds."""
+        rounds, batch, rows = step.num_rounds, len(step.scheduled), step.num_drafts + 1
+        split = rounds * batch * rows
+        tokens = [[values[(r * batch + b) * rows : (r * batch + b + 1) * rows] for b in range(batch)] for r in range(rounds)]
+        accepted = [values[split + r * batch : split + (r + 1) * batch] for r in range(rounds)]
+        for b, (request_id, state, count) in enumerate(step.scheduled):
+            emitted, per_round = emitted_tokens(tokens, accepted, b)
+            state.num_computed_tokens -= count - len(emitted)  # the rejected rows' KV is stale
+            state.verifying = False
+            self._emit(request_id, state, emitted, sum(per_round), 0, step.result.outputs, to_draft)
+            step.result.outputs[-1].round_accepted = per_round
+
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""
         result = step.result
@@ -310,6 +416,8 @@ class ModelRunner:
         num_plain = len(step.sampling_requests)
         outputs = result.outputs
         to_draft: list[tuple[RequestOutput, RequestState, int]] = []  # (output, state, its hidden row)
+        if step.rounds is not None:
+            self._finish_rounds(step, values, to_draft)
         for row, ((request_id, state), token) in enumerate(zip(step.sampling_requests, values)):
             assert state.pending[0][0] is step, "steps finish in launch order"
             del state.pending[0]

@@ -48,9 +48,12 @@ def _cached_from_pb(step_id: int, columns: ex.CachedRequests) -> list[CachedRequ
             f"{len(scheduled)} scheduled, {len(block_counts)} block counts, {len(draft_counts)} draft counts and "
             f"{len(propose)} proposal counts"
         )
+    rounds = list(columns.num_rounds) or [1] * len(ids)
+    if len(rounds) != len(ids):
+        raise ValueError(f"plan {step_id}: cached-request columns of {len(ids)} ids and {len(rounds)} round counts")
     blocks = split(columns.new_block_ids, block_counts)
     drafts = split(columns.draft_token_ids, draft_counts)
-    return [CachedRequest(*request) for request in zip(ids, computed, scheduled, blocks, drafts, propose)]
+    return [CachedRequest(*request) for request in zip(ids, computed, scheduled, blocks, drafts, propose, rounds)]
 
 
 def result_to_pb(result: StepResult) -> ex.StepResult:
@@ -65,6 +68,8 @@ def result_to_pb(result: StepResult) -> ex.StepResult:
         write_lists(columns.token_counts, columns.token_ids, [o.token_ids for o in outputs])
         write_lists(columns.next_draft_counts, columns.next_draft_token_ids, [o.next_draft_token_ids for o in outputs])
         columns.num_accepted_drafts.extend([o.num_accepted_drafts for o in outputs])
+        if any(o.round_accepted for o in outputs):  # else both columns stay empty: one round each
+            write_lists(columns.round_counts, columns.round_accepted, [o.round_accepted for o in outputs])
     msg.request_errors.update(result.request_errors)
     return msg
 
@@ -76,4 +81,5 @@ def info_to_pb(info: ExecutorInfo) -> ex.InfoResponse:
         max_num_tokens=info.max_num_tokens, max_seq_len=info.max_seq_len, device=info.device, dtype=info.dtype,
         num_host_blocks=info.num_host_blocks, speculative_mode=info.speculative_mode,
         max_draft_tokens=info.max_draft_tokens, drafts_need_lookahead_slots=info.drafts_need_lookahead_slots,
+        max_speculative_rounds=info.max_speculative_rounds,
     )

@@ -57,6 +57,9 @@ class CachedRequest:
     # Drafts to verify this step, after the request's last token (num_scheduled_tokens = 1 + len).
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafts_to_propose: int = 0  # for the next step
+    # Verification rounds: with R > 1 the executor drafts rounds 2..R itself, on the device, and
+    # num_scheduled_tokens = R * (1 + k), k the step's draft length (draft_token_ids padded to it).
+    num_rounds: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ class RequestOutput:
     token_ids: list[int]
     next_draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
     num_accepted_drafts: int = 0  # of this step's drafts; token_ids = those + one of the target's
+    round_accepted: list[int] = field(default_factory=list)  # per verification round, when several ran
 
 
 @dataclass(slots=True)
@@ -134,3 +138,4 @@ class ExecutorInfo:
     speculative_mode: str = ""  # "", "ngram", "draft_model" or "draft_heads"
     max_draft_tokens: int = 0  # most drafts proposed per request per step
     drafts_need_lookahead_slots: bool = False  # proposing k drafts writes KV k - 1 positions ahead
+    max_speculative_rounds: int = 1  # verification rounds one step may chain on the device

@@ -135,6 +135,7 @@ class AsyncEngine:
             max_draft_tokens=info.max_draft_tokens if lim.max_draft_tokens < 0 else min(lim.max_draft_tokens, info.max_draft_tokens),
             draft_lookahead_slots=info.drafts_need_lookahead_slots,
             adaptive_draft_length=lim.adaptive_draft_length,
+            max_speculative_rounds=max(1, info.max_speculative_rounds),
         )
         self.scheduler = Scheduler(config)
         self.scheduler.draft_policy.overlap_available = lim.overlap_scheduling

@@ -71,7 +71,8 @@ class Request:
     # Speculative decoding: drafts the executor proposed for the next step, how many the step
     # in flight verifies, the request's acceptance rate, and its usage counts.
     draft_token_ids: list[int] = field(default_factory=list)
-    num_scheduled_drafts: int = 0
+    num_scheduled_drafts: int = 0  # tokens the step in flight computes past the last one (drafts, or chained rounds)
+    num_scheduled_rounds: int = 1  # verification rounds of the step in flight
     acceptance: Acceptance = field(default_factory=Acceptance)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0

@@ -36,7 +36,12 @@ of the k were accepted it moves back by k - a, and the rejected drafts' slots
 are simply written again by the next step. How long k is follows the load
 (``speculation.py``). Speculation needs each step's result before the next
 plan, so it runs without overlapped scheduling (which comes back while the
-load keeps speculation off).
+load keeps speculation off). What overlap would hide, the round trip between
+one verification and the next, chained rounds hide instead: when every running
+request verifies drafts and none waits, a step may run up to
+``max_speculative_rounds`` rounds of k drafts, the executor drafting the later
+ones on the device; the step computes R * (1 + k) tokens per request, and the
+result moves ``num_computed_tokens`` back past what the rounds did not emit.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from operator import attrgetter
 
 from kvcache.block_hash import BlockHashes, BlockKeys
 from kvcache.manager import KVCacheManager
-from protos.plan import BlockCopy, CachedRequest, NewRequest, StepPlan, StepResult
+from protos.plan import BlockCopy, CachedRequest, NewRequest, RequestOutput, StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.scheduler_config import CapacityPolicy, SchedulerConfig
 from scheduler_svc.speculation import Candidate, DraftLengthPolicy, DraftStats
@@ -72,6 +77,7 @@ class _Scheduled:
     new_blocks: list[int]
     drafts: list[int] = field(default_factory=list)  # verified this step (num_tokens = 1 + len)
     propose: int = 0  # drafts the executor proposes for the request's next step
+    rounds: int = 1  # chained verification rounds (num_tokens = rounds * (1 + the step's draft length))
 
 
 @dataclass(slots=True)
@@ -112,7 +118,7 @@ class Scheduler:
             config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size
         )
         self._drafts_asked = False  # whether the last plan asked any request for drafts
-        self._generation_steps: dict[int, int] = {}  # step id -> tokens, for generation steps in flight
+        self._generation_steps: dict[int, tuple[int, int]] = {}  # step id -> (tokens per round, rounds) in flight
 
     @property
     def guaranteed(self) -> bool:
@@ -163,6 +169,7 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         order = self._running_order()
         draft_length, drafts_of = self._choose_draft_length(order)
+        rounds = self._chained_rounds(order, draft_length, drafts_of)
         max_seq_len = self.config.max_seq_len
         propose_now = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
         step.drafts_to_propose = propose_now
@@ -184,7 +191,9 @@ class Scheduler:
             computed = request.num_computed_tokens
             budget = step.token_budget
             drafts = drafts_of.get(request_id, [])[:max(0, min(draft_length, budget - 1))] if drafts_of else []
-            if drafts:
+            if rounds > 1:  # every request chains the same rounds (the executor pads short drafts)
+                count = rounds * (1 + draft_length)
+            elif drafts:
                 count = 1 + len(drafts)
             else:
                 missing = held - computed
@@ -206,7 +215,7 @@ class Scheduler:
                     break
                 new_blocks = allocate_slots(request_id, need)
             if new_blocks is not None:
-                chosen[request_id] = _Scheduled(request, count, new_blocks, drafts, propose)
+                chosen[request_id] = _Scheduled(request, count, new_blocks, drafts, propose, rounds)
                 step.token_budget -= count
         self._drafts_asked = asked
 
@@ -253,6 +262,24 @@ class Scheduler:
         if limit is not None:  # a probe with room for only some of them: the first in order verify
             drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}
         return draft_length, drafts_of
+
+    def _chained_rounds(self, order: list[Request], draft_length: int, drafts_of: dict[str, list[int]]) -> int:
+        """Verification rounds for this step: more than one only when drafts are verified, nothing
+        waits, every running request is in generation and may speculate (one without drafts of its own
+        starts from padding, and the device drafts its later rounds), and each has room for what the
+        rounds may emit."""
+        cfg = self.config
+        rounds = cfg.max_speculative_rounds
+        if rounds <= 1 or draft_length <= 0 or not drafts_of or self.waiting or self.draft_policy.verify_limit is not None:
+            return 1
+        rows = 1 + draft_length
+        rounds = min(rounds, cfg.max_num_tokens // (rows * len(order)))
+        for request in order:
+            if not request.can_speculate or request.num_pending_outputs or request.num_computed_tokens != request.num_tokens - 1:
+                return 1
+            room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
+            rounds = min(rounds, room // rows)
+        return rounds if rounds > 1 else 1
 
     def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).
@@ -333,6 +360,7 @@ class Scheduler:
         victim.num_pending_outputs = 0  # a token still on its way is dropped; the resumed request samples it again
         victim.draft_token_ids = []
         victim.num_scheduled_drafts = 0
+        victim.num_scheduled_rounds = 1
         victim.status = RequestStatus.WAITING
         victim.num_preemptions += 1
         self.waiting.append_front(victim)
@@ -355,12 +383,15 @@ class Scheduler:
                 cached_requests.append(
                     CachedRequest(
                         request.request_id, request.num_computed_tokens, item.num_tokens, item.new_blocks,
-                        item.drafts, item.propose,
+                        item.drafts, item.propose, item.rounds,
                     )
                 )
+            if item.rounds > 1:
+                num_drafts = item.num_tokens - 1  # every token past the last one is a draft or a later round's
             computed = request.num_computed_tokens + item.num_tokens
             request.num_computed_tokens = computed
             request.num_scheduled_drafts = num_drafts
+            request.num_scheduled_rounds = item.rounds
             if request.draft_token_ids:
                 request.draft_token_ids = []  # used now, or stale after this step
             pending = request.num_pending_outputs
@@ -370,9 +401,10 @@ class Scheduler:
         if sampled:
             self._sampling[step_id] = sampled
         if self.config.max_draft_tokens and not plan.new_requests and all(
-            item.num_tokens == 1 + len(item.drafts) for item in step.chosen.values()
-        ):  # a generation step: what the draft-length policy learns step costs from
-            self._generation_steps[plan.step_id] = plan.num_scheduled_tokens
+            item.num_tokens == 1 + len(item.drafts) or item.rounds > 1 for item in step.chosen.values()
+        ):  # a generation step: what the draft-length policy learns step costs from, per round
+            rounds = max((item.rounds for item in step.chosen.values()), default=1)
+            self._generation_steps[plan.step_id] = (plan.num_scheduled_tokens // rounds, rounds)
         copies = self.kv.take_copies()
         plan.swap_out = [BlockCopy(device_block=d, host_slot=h) for d, h in copies.swap_out]
         plan.swap_in = [BlockCopy(device_block=d, host_slot=h) for h, d in copies.swap_in]
@@ -395,21 +427,26 @@ class Scheduler:
             num_drafts_to_propose=item.propose,
         )
 
-    def _judged(self, request: Request, accepted: int) -> None:
-        """A step verified ``request``'s drafts and accepted ``accepted`` of them."""
-        k = request.num_scheduled_drafts
-        accepted = min(accepted, k)
-        request.num_computed_tokens -= k - accepted  # the rejected drafts' slots get written again
+    def _judged(self, request: Request, output: RequestOutput) -> None:
+        """A step verified ``request``'s drafts, in one round or several, as ``output`` tells."""
+        scheduled, rounds = request.num_scheduled_drafts, request.num_scheduled_rounds
+        k = (scheduled + 1) // rounds - 1  # drafts per round
+        per_round = list(output.round_accepted[:rounds]) if rounds > 1 else [output.num_accepted_drafts]
+        per_round = [min(max(a, 0), k) for a in per_round] + [0] * (rounds - len(per_round))
+        # Rows past each round's accepted prefix emitted nothing: their slots get written again.
+        request.num_computed_tokens -= scheduled + 1 - sum(a + 1 for a in per_round)
         request.num_scheduled_drafts = 0
-        request.acceptance.observe(k, accepted)
-        request.num_draft_tokens += k
-        request.num_accepted_draft_tokens += accepted
+        request.num_scheduled_rounds = 1
         stats = self.drafts
-        stats.num_draft_tokens += k
-        stats.num_accepted += accepted
-        for i in range(k):
-            stats.by_position[i] += 1
-            stats.accepted_by_position[i] += i < accepted
+        for accepted in per_round:
+            request.acceptance.observe(k, accepted)
+            request.num_draft_tokens += k
+            request.num_accepted_draft_tokens += accepted
+            stats.num_draft_tokens += k
+            stats.num_accepted += accepted
+            for i in range(k):
+                stats.by_position[i] += 1
+                stats.accepted_by_position[i] += i < accepted
 
     def _chunk(self, missing: int, token_budget: int) -> int:
         """Tokens to compute this step, of ``missing``, within ``token_budget``."""
@@ -426,10 +463,11 @@ class Scheduler:
         another step ran; the draft-length policy learns from both.
         """
         updates: list[RequestUpdate] = []
-        tokens = self._generation_steps.pop(result.step_id, None)
+        generation = self._generation_steps.pop(result.step_id, None)
         seconds = seconds if seconds is not None else result.step_us / 1e6
-        if tokens is not None and seconds > 0:
-            self.draft_policy.observe(tokens, seconds, overlapped, result.step_us / 1e6)
+        if generation is not None and seconds > 0:
+            tokens, rounds = generation  # chained rounds: each counts as a step of its share
+            self.draft_policy.observe(tokens, seconds / rounds, overlapped, result.step_us / 1e6 / rounds)
         requests = self.requests
         for request_id in self._sampling.pop(result.step_id, ()):
             request = requests.get(request_id)
@@ -449,7 +487,7 @@ class Scheduler:
             if request is None or request.status is not running:
                 continue  # finished (e.g. cancelled) while the step ran
             if request.num_scheduled_drafts:
-                self._judged(request, output.num_accepted_drafts)
+                self._judged(request, output)
             next_drafts = output.next_draft_token_ids
             if len(next_drafts) or request.draft_token_ids:  # else it keeps its empty list
                 request.draft_token_ids = list(next_drafts)

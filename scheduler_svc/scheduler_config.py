@@ -28,6 +28,9 @@ class SchedulerConfig:
     max_draft_tokens: int = 0
     draft_lookahead_slots: bool = False
     adaptive_draft_length: bool = True
+    # Verification rounds one step may chain when every running request verifies drafts and
+    # none waits (the executor drafts the later rounds on the device); 1 = one round a step.
+    max_speculative_rounds: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_tokens < self.tokens_per_block:

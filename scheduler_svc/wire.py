@@ -164,6 +164,8 @@ def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
         write_lists(columns.new_block_counts, columns.new_block_ids, [c.new_block_ids for c in cached])
         write_lists(columns.draft_counts, columns.draft_token_ids, [c.draft_token_ids for c in cached])
         columns.num_drafts_to_propose.extend([c.num_drafts_to_propose for c in cached])
+        if any(c.num_rounds != 1 for c in cached):  # else the column stays empty: one round each
+            columns.num_rounds.extend([c.num_rounds for c in cached])
     return msg
 
 
@@ -178,11 +180,15 @@ def result_from_pb(msg: ex.StepResult) -> StepResult:
             f"result {msg.step_id}: output columns of {len(ids)} ids, {len(token_counts)} token counts, "
             f"{len(draft_counts)} draft counts and {len(accepted)} accepted counts"
         )
+    round_counts = list(columns.round_counts)
+    if round_counts and len(round_counts) != len(ids):
+        raise ValueError(f"result {msg.step_id}: output columns of {len(ids)} ids and {len(round_counts)} round counts")
     tokens = split(columns.token_ids, token_counts)
     drafts = split(columns.next_draft_token_ids, draft_counts)
+    rounds = split(columns.round_accepted, round_counts) if round_counts else [[] for _ in ids]
     return StepResult(
         step_id=msg.step_id,
-        outputs=[RequestOutput(*output) for output in zip(ids, tokens, drafts, accepted)],
+        outputs=[RequestOutput(*output) for output in zip(ids, tokens, drafts, accepted, rounds)],
         forward_us=msg.forward_us, sample_us=msg.sample_us, step_us=msg.step_us, draft_us=msg.draft_us,
         request_errors=dict(msg.request_errors),
     )
@@ -195,4 +201,5 @@ def info_from_pb(msg: ex.InfoResponse) -> ExecutorInfo:
         max_num_tokens=msg.max_num_tokens, max_seq_len=msg.max_seq_len, device=msg.device, dtype=msg.dtype,
         num_host_blocks=msg.num_host_blocks, speculative_mode=msg.speculative_mode,
         max_draft_tokens=msg.max_draft_tokens, drafts_need_lookahead_slots=msg.drafts_need_lookahead_slots,
+        max_speculative_rounds=max(1, msg.max_speculative_rounds),
     )

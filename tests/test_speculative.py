@@ -17,7 +17,7 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 
-from executor_svc.speculative.ngram import NgramIndex
+from executor_svc.speculative.ngram import NgramIndex, ngram_drafts_on_device
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.sampler import RequestSamplingState
@@ -62,6 +62,23 @@ def test_ngram_index_grows_with_the_request_and_agrees_with_a_fresh_one():
 
 
 # -- verification ----------------------------------------------------------------
+
+
+def test_device_lookup_proposes_what_the_index_proposes():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(200):
+        k, (min_n, max_n) = rng.randint(1, 8), rng.choice([(1, 3), (2, 4), (3, 3)])
+        seqs = [[rng.randrange(5) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+        width = max(map(len, seqs)) + 6
+        tokens = torch.randint(0, 5, (4, width))  # junk past each length must not matter
+        for i, seq in enumerate(seqs):
+            tokens[i, : len(seq)] = torch.tensor(seq)
+        drafts = ngram_drafts_on_device(tokens, torch.tensor([len(q) for q in seqs]), k, min_n, max_n)
+        for i, seq in enumerate(seqs):
+            expected = NgramIndex(min_n, max_n).propose(seq, k)
+            assert drafts[i].tolist() == expected + [seq[-1]] * (k - len(expected))  # padded with the last token
 
 
 def _states(config: SamplingConfig, count: int, seed0: int = 0) -> list[RequestSamplingState]:
@@ -151,6 +168,40 @@ def test_scheduler_cuts_drafts_at_max_tokens():
     plan = s.schedule()
     # One output exists and two may follow: one draft plus the target's own token.
     assert plan.cached_requests[0].draft_token_ids == [1]
+
+
+def test_scheduler_chains_rounds_when_every_request_verifies_and_none_waits():
+    s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=4, adaptive_draft_length=False)
+    s.add_request(make_request("a", 6, max_tokens=40))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [101, 102])]))
+    plan = s.schedule()
+    cached = plan.cached_requests[0]
+    # 4 rounds of 3 drafts: the plan's two drafts (padded by the executor) start the first.
+    assert (cached.num_rounds, cached.num_scheduled_tokens, cached.draft_token_ids) == (4, 16, [101, 102])
+    assert len(s.kv.block_table("a")) * s.config.tokens_per_block >= 6 + 16
+    # Rounds accepted 3, 0, 1 and 2 drafts: 4 + 1 + 2 + 3 = 10 tokens emitted.
+    emitted = list(range(200, 210))
+    s.update(StepResult(plan.step_id, [RequestOutput("a", emitted, [7], 6, round_accepted=[3, 0, 1, 2])], step_us=4000))
+    req = s.requests["a"]
+    assert req.output_token_ids == [100, *emitted]
+    assert req.num_computed_tokens == 6 + 10  # the prompt, the first token and all but the last emitted
+    assert (req.num_draft_tokens, req.num_accepted_draft_tokens) == (12, 6)
+    assert s.drafts.by_position == [4, 4, 4] and s.drafts.accepted_by_position == [3, 2, 1]
+    # A waiting request turns chaining off: it would wait for every round.
+    s.add_request(make_request("b", 6))
+    plan = s.schedule()
+    assert plan.cached_requests[0].num_rounds == 1 and plan.cached_requests[0].num_scheduled_tokens == 2
+
+
+def test_chained_rounds_stay_within_max_tokens():
+    s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8, adaptive_draft_length=False)
+    s.add_request(make_request("a", 6, max_tokens=10))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3])]))
+    plan = s.schedule()
+    # 9 more tokens may follow: two rounds of 1 + 3 (a third could overrun max_tokens).
+    assert (plan.cached_requests[0].num_rounds, plan.cached_requests[0].num_scheduled_tokens) == (2, 8)
 
 
 def test_draft_length_follows_the_measured_step_cost():
@@ -393,6 +444,70 @@ def test_loading_a_draft_model_splits_the_kv_budget(engine_dir, random_draft_eng
     with pytest.raises(ValueError, match="draft engine folder"):
         load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=budget,
                                               speculative=SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, 3)))
+
+
+def _counting_rounds(monkeypatch) -> list[tuple[int, int, int]]:
+    """Record (requests, drafts, rounds) of every step of chained rounds the runner launches."""
+    import executor_svc.runner as runner_module
+
+    calls, real = [], runner_module.run_rounds
+
+    def counting(model, kv_cache, graphs, tokens_per_block, requests, num_drafts, num_rounds, sizes):
+        calls.append((len(requests), num_drafts, num_rounds))
+        return real(model, kv_cache, graphs, tokens_per_block, requests, num_drafts, num_rounds, sizes)
+
+    monkeypatch.setattr(runner_module, "run_rounds", counting)
+    return calls
+
+
+def test_chained_rounds_give_the_same_greedy_tokens(engine, tokenizer, plain_outputs, monkeypatch):
+    calls = _counting_rounds(monkeypatch)
+    spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=3))
+    prompts = COPY_PROMPTS + PROMPTS[:3]
+    outputs, usages, stats = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False})
+    assert outputs == plain_outputs
+    assert calls and max(rounds for _, _, rounds in calls) == 3
+    assert stats.drafts.num_draft_tokens == sum(u.num_draft_tokens for u in usages)
+    assert stats.drafts.num_accepted == sum(u.num_accepted_draft_tokens for u in usages) > 10
+    # One request alone (the batch where chaining pays most), with the adaptive policy.
+    calls.clear()
+    alone, _, _ = _generate(spec, tokenizer, COPY_PROMPTS[:1])
+    assert alone == plain_outputs[:1] and calls and all(n == 1 for n, _, _ in calls)
+
+
+def test_chained_rounds_with_sampling_stay_valid(engine, tokenizer, monkeypatch):
+    calls = _counting_rounds(monkeypatch)
+    spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=4))
+    outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, {"adaptive_draft_length": False},
+                                   sampling={"temperature": 0.7, "top_p": 0.9, "seed": 3})
+    assert calls and all(len(ids) == 20 for ids in outputs)
+    assert all(0 <= t < engine.model_config.vocab_size for ids in outputs for t in ids)
+
+
+def test_executor_rejects_malformed_rounds(engine):
+    from executor_svc.runner import ModelRunner
+    from protos.plan import NewRequest
+
+    spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=64))
+    runner = ModelRunner(spec)
+    greedy, block = SamplingConfig(temperature=0.0), engine.tokens_per_block
+    runner.execute(StepPlan(1, new_requests=[
+        NewRequest("a", [1, 2, 3, 4], 4, 0, 4, list(range(2)), greedy), NewRequest("b", [1, 2, 3, 4], 4, 0, 4, [2, 3], greedy),
+    ]))
+    cases = [
+        (CachedRequest("a", 4, 9, [], [5], num_rounds=2), "rounds * (1 + k)"),  # 9 is not 2 * (1 + k)
+        (CachedRequest("a", 4, 130, [], [5], num_rounds=65), "at most"),  # more rounds than the executor chains
+        (CachedRequest("a", 4, 4 * block, [], [5], num_rounds=block), "KV slots"),  # past its one block
+    ]
+    for step, (cached, message) in enumerate(cases, start=2):
+        runner.execute(StepPlan(step, finished_request_ids=["a"]))
+        runner.execute(StepPlan(step, new_requests=[NewRequest("a", [1, 2, 3, 4], 4, 0, 4, [0], greedy)]))
+        assert message in runner.execute(StepPlan(step, cached_requests=[cached])).request_errors["a"]
+    # Rounds must make up the whole step: "b" takes one plain step beside them.
+    runner.execute(StepPlan(9, new_requests=[NewRequest("a", [1, 2, 3, 4], 4, 0, 4, [0], greedy)]))
+    mixed = StepPlan(10, cached_requests=[CachedRequest("a", 4, 8, [], [5], num_rounds=2), CachedRequest("b", 4, 1)])
+    result = runner.execute(mixed)
+    assert "whole step" in result.request_errors["a"] and "b" not in result.request_errors
 
 
 def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):

@@ -35,6 +35,11 @@ def test_a_plan_survives_the_wire():
     )
     assert _over_the_wire_plan(plan) == plan
     assert _over_the_wire_plan(StepPlan(step_id=1)) == StepPlan(step_id=1)
+    chained = StepPlan(step_id=42, cached_requests=[
+        CachedRequest("a", 30, 12, draft_token_ids=[1, 2], num_rounds=3), CachedRequest("b", 9, 12, num_rounds=3),
+    ])
+    assert _over_the_wire_plan(chained) == chained
+    assert not plan_to_pb(plan).cached_requests.num_rounds  # one round each: the column stays empty
 
 
 def test_a_result_survives_the_wire():
@@ -49,6 +54,11 @@ def test_a_result_survives_the_wire():
     )
     assert _over_the_wire_result(result) == result
     assert _over_the_wire_result(StepResult(step_id=2)) == StepResult(step_id=2)
+    chained = StepResult(step_id=43, outputs=[
+        RequestOutput("a", [1, 2, 3, 4, 5], num_accepted_drafts=3, round_accepted=[2, 1, 0]),
+        RequestOutput("b", [6, 7, 8], num_accepted_drafts=0, round_accepted=[0, 0, 0]),
+    ])
+    assert _over_the_wire_result(chained) == chained
 
 
 def test_cached_requests_travel_as_columns():
@@ -71,6 +81,10 @@ def test_malformed_columns_are_refused():
     reply.outputs.token_counts[0] = 2  # "a" would take "b"'s token
     with pytest.raises(ValueError, match="counts add up to 3 values"):
         result_from_pb(reply)
+    msg = plan_to_pb(StepPlan(step_id=8, cached_requests=[CachedRequest("a", 1, 4, num_rounds=2), CachedRequest("b", 2, 4, num_rounds=2)]))
+    del msg.cached_requests.num_rounds[1]
+    with pytest.raises(ValueError, match="round counts"):
+        plan_from_pb(msg)
 
 
 def test_flatten_and_split_are_inverse():

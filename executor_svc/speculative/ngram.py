@@ -10,9 +10,15 @@ Each request keeps an index from every n-gram it holds to the position after
 its latest occurrence, extended by the few tokens a step adds, so a proposal
 costs a handful of dictionary lookups however long the request is: at a
 batch of hundreds the drafting stays well below the step it feeds.
+
+``ngram_drafts_on_device`` makes the same proposals from tensors on the
+device, for the verification rounds a step chains without the host
+(executor_svc/speculative/rounds.py).
 """
 
 from __future__ import annotations
+
+import torch
 
 
 class NgramIndex:
@@ -42,3 +48,45 @@ class NgramIndex:
             if start is not None:
                 return token_ids[start : start + num_tokens]
         return []
+
+
+def ngram_drafts_on_device(
+    tokens: torch.Tensor,  # [B, L] int64: each request's tokens, valid up to lengths[b]
+    lengths: torch.Tensor,  # [B] int64
+    num_drafts: int,
+    min_n: int = 2,
+    max_n: int = 4,
+) -> torch.Tensor:  # [B, num_drafts] int64
+    """``NgramIndex.propose`` for a batch, as tensor operations: nothing waits for the host.
+
+    For each request, the longest suffix of ``min_n`` to ``max_n`` tokens that
+    occurred earlier (ending before the last token) picks its latest occurrence,
+    and the drafts are the tokens that followed it, exactly as the index
+    proposes them. Where the index would propose fewer than ``num_drafts``
+    (or nothing), the rest repeat the last token: the rounds that use these
+    verify a fixed number of drafts, and a wrong guess costs nothing more
+    (verification is lossless).
+    """
+    batch, width = tokens.shape
+    device = tokens.device
+    last = lengths - 1
+    ends = torch.arange(width, device=device)[None, :]  # where an earlier occurrence of the suffix ends
+    before_last = ends < last[:, None]
+    match = torch.ones((batch, width), dtype=torch.bool, device=device)
+    latest: list[torch.Tensor] = []  # per n from min_n up: the latest end of an earlier match, -1 for none
+    for i in range(max_n):
+        # Token i from the end of the suffix must equal the token i before each candidate end.
+        suffix_token = tokens.gather(1, (last - i).clamp_min(0)[:, None])
+        shifted = torch.nn.functional.pad(tokens[:, : width - i], (i, 0), value=-1) if i else tokens
+        match &= shifted == suffix_token
+        n = i + 1
+        if n >= min_n:
+            found = match & before_last & (lengths[:, None] >= n)
+            latest.append(torch.where(found, ends, -1).amax(dim=1))
+    start = torch.full((batch,), -1, dtype=torch.int64, device=device)
+    for end in reversed(latest):  # the longest n that matched
+        start = torch.where((start < 0) & (end >= 0), end + 1, start)
+    positions = start[:, None] + torch.arange(num_drafts, device=device)[None, :]
+    valid = (start[:, None] >= 0) & (positions < lengths[:, None])
+    copied = tokens.gather(1, positions.clamp(0, width - 1))
+    return torch.where(valid, copied, tokens.gather(1, last[:, None]))

@@ -35,10 +35,19 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     draft_engine_dir: Path | None = None  # DRAFT_MODEL: an engine of the same tokenizer
+    # NGRAM: most verification rounds one step chains on the device (executor_svc/speculative/rounds.py).
+    max_rounds: int = 4
 
     def __post_init__(self) -> None:
         if self.mode is not SpeculativeMode.NONE and not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if not 1 <= self.max_rounds <= 64:
+            raise ValueError(f"max_rounds must be in [1, 64], got {self.max_rounds}")
+
+    @property
+    def device_rounds(self) -> int:
+        """Verification rounds one step may chain: only prompt lookup drafts on the device."""
+        return self.max_rounds if self.mode is SpeculativeMode.NGRAM else 1
 
 
 @dataclass(slots=True)
