@@ -1,7 +1,7 @@
 """Where one generation step's time goes on the SmolLM2-135M shape (random weights), through the executor's runner.
 
 Batch 1: milliseconds per step and host time per phase with 0, 4 and 8 drafts to
-verify, then the torch profiler (CPU and CUDA activity) over 50 plain steps and 50
+verify, and with 4 and 8 chained rounds of 8 drafts, then the torch profiler (CPU and CUDA activity) over 50 plain steps and 50
 steps verifying 4 drafts: which host calls and kernels the time goes to. Batch 256:
 a plain step (a CUDA-graph replay) against one with 16 more verification rows,
 past the executor's batch size, where the rows leave the graphs.
@@ -39,7 +39,7 @@ def main(tokenizer_dir: str, device: str = "cuda") -> None:
     build = BuildConfig(max_batch_size=256, max_num_tokens=8192, max_seq_len=2048, tokens_per_block=16, dtype="auto")
     engine_dir = build_cached(folder, build, default_cache_dir(), device, "dummy")
     engine = load_engine(engine_dir, RuntimeConfig(device=device, kv_cache_fraction=0.5,
-                                                   speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 8)))
+                                                   speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 8, max_rounds=8)))
     runner = ModelRunner(engine)
     gen = torch.Generator().manual_seed(0)
     state = {"step": 0, "next_block": 0}
@@ -66,13 +66,23 @@ def main(tokenizer_dir: str, device: str = "cuda") -> None:
             cached.append(CachedRequest(rid, runner.requests[rid].num_computed_tokens, 1 + kk, [], draft_token_ids=drafts))
         return StepPlan(state["step"], cached_requests=cached)
 
-    def timed(ids: list[str], k: int, count: int, with_drafts: int | None = None) -> tuple[float, dict]:
+    def chained(ids: list[str], k: int, rounds: int) -> StepPlan:
+        """Every request runs ``rounds`` chained rounds of k drafts (random ones: each round emits about one token)."""
+        state["step"] += 1
+        return StepPlan(state["step"], cached_requests=[
+            CachedRequest(rid, runner.requests[rid].num_computed_tokens, rounds * (1 + k), [],
+                          draft_token_ids=torch.randint(1000, 30000, (k,), generator=gen).tolist(), num_rounds=rounds)
+            for rid in ids
+        ])
+
+    def timed(ids: list[str], k: int, count: int, with_drafts: int | None = None, rounds: int = 1) -> tuple[float, dict]:
+        make = (lambda: chained(ids, k, rounds)) if rounds > 1 else (lambda: plan(ids, k, with_drafts))
         for _ in range(5):
-            runner.execute(plan(ids, k, with_drafts))
+            runner.execute(make())
         sync()
         before, started = dict(runner.host_seconds), time.perf_counter()
         for _ in range(count):
-            runner.execute(plan(ids, k, with_drafts))
+            runner.execute(make())
         sync()
         ms = (time.perf_counter() - started) / count * 1e3
         return ms, {p: round((runner.host_seconds[p] - before[p]) / count * 1e3, 3) for p in ("launch", "finish", "draft")}
@@ -82,6 +92,9 @@ def main(tokenizer_dir: str, device: str = "cuda") -> None:
     for k in (0, 4, 8):
         ms, host = timed(one, k, reps)
         print(f"batch 1 k={k}: {ms:.3f} ms/step, host {host}")
+    for k, rounds in ((8, 4), (8, 8)):  # chained rounds, drafted on the device
+        ms, host = timed(one, k, max(reps // rounds, 2), rounds=rounds)
+        print(f"batch 1 k={k} x {rounds} rounds: {ms:.3f} ms/step = {ms / rounds:.3f} ms/round, host {host}")
     for k in (0, 4):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(profiled):

@@ -179,24 +179,18 @@ class DecodeGraphs:
         self.num_replays += 1
         return entry.logits[:n], entry.hidden[:n]
 
-    def run_device(
-        self,
-        input_ids: torch.Tensor,  # [n] int64, one token per row, on the device
-        positions: torch.Tensor,  # [n] int64
-        slots: torch.Tensor,  # [n] int64
-        context_lens: torch.Tensor,  # [n] int64
-        block_tables: torch.Tensor,  # [n, w] int64: each row's table (ids past its context are not read)
-        max_context_len: int,  # a bound on context_lens, known on the host: picks the table width
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [n, vocab] float32, hidden [n, hidden]
-        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait."""
-        n = input_ids.shape[0]
-        batch = _bucket(self.batch_sizes, n)
+    def bucket(self, num_rows: int, max_context_len: int) -> tuple[int, int]:
+        """(batch, table width) of the graph that runs ``num_rows`` rows with contexts up to ``max_context_len``."""
+        batch = _bucket(self.batch_sizes, num_rows)
         width = _bucket(self.widths, -(-max_context_len // self.tokens_per_block))
         assert batch is not None and width is not None, "caller checks fits() first"
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slots)
-        self.context_lens[:n].copy_(context_lens)
+        return batch, width
+
+    def bind_tables(self, batch: int, width: int, block_tables: torch.Tensor) -> None:
+        """Set the first rows' block tables ([n, >= width] int64 on the device) for replays of (batch, width),
+        and point the padding rows past them at the scratch block. Replays then only need each row's token,
+        position, slot and context length (``replay``)."""
+        n = block_tables.shape[0]
         table = self.block_tables[width]
         used = min(block_tables.shape[1], width)
         table[:n, :used].copy_(block_tables[:, :used])
@@ -208,7 +202,30 @@ class DecodeGraphs:
             self.slot_mapping[n:batch].fill_(self.scratch_block * self.tokens_per_block)
             self.context_lens[n:batch].fill_(1)
             table[n:batch].fill_(self.scratch_block)
+
+    def replay(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay graph (batch, width) on whatever its static inputs hold: its logits and hidden buffers."""
         entry = self.graphs[(batch, width)]
         entry.graph.replay()
         self.num_replays += 1
-        return entry.logits[:n], entry.hidden[:n]
+        return entry.logits, entry.hidden
+
+    def run_device(
+        self,
+        input_ids: torch.Tensor,  # [n] int64, one token per row, on the device
+        positions: torch.Tensor,  # [n] int64
+        slots: torch.Tensor,  # [n] int64
+        context_lens: torch.Tensor,  # [n] int64
+        block_tables: torch.Tensor,  # [n, w] int64: each row's table (ids past its context are not read)
+        max_context_len: int,  # a bound on context_lens, known on the host: picks the table width
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [n, vocab] float32, hidden [n, hidden]
+        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait."""
+        n = input_ids.shape[0]
+        batch, width = self.bucket(n, max_context_len)
+        self.bind_tables(batch, width, block_tables)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slots)
+        self.context_lens[:n].copy_(context_lens)
+        logits, hidden = self.replay(batch, width)
+        return logits[:n], hidden[:n]

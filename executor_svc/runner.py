@@ -36,7 +36,7 @@ from executor_svc.engine import Engine
 from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK, Segment, pack, run_packed, short_chunks_as_rows, to_device
 from executor_svc.sampler import RequestSamplingState, Sampler
 from executor_svc.speculative.proposer import DraftRequest, NgramLookup, build_proposer
-from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, emitted_tokens, run_rounds
+from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsRunner, emitted_tokens
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
 from protos.plan import NewRequest, RequestOutput, StepPlan, StepResult
@@ -120,6 +120,11 @@ class ModelRunner:
             self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
         # Verification rounds one step may chain: they draft on the device, which prompt lookup can.
         self.max_rounds = engine.speculative.device_rounds if isinstance(self.proposer, NgramLookup) else 1
+        self.rounds = None
+        if self.max_rounds > 1:
+            self.rounds = RoundsRunner(engine.model, engine.kv_cache, engine.decode_graphs, self.tokens_per_block,
+                                       engine.max_seq_len, (self.proposer.min_n, self.proposer.max_n))
+            self.rounds.capture(1, range(1, self.max_draft_tokens + 1))  # batch 1, where rounds pay most
         # Short context chunks run as single-token rows when that makes the step a graph replay
         # (packed_forward.short_chunks_as_rows); 0 keeps every chunk a tile set.
         self.max_rows_per_chunk = MAX_ROWS_PER_CHUNK
@@ -349,10 +354,7 @@ class ModelRunner:
             for request_id, state, _ in step.scheduled
         ]
         forward_start = time.perf_counter()
-        step.rounds = run_rounds(
-            self.engine.model, self.engine.kv_cache, self.engine.decode_graphs, self.tokens_per_block, requests,
-            step.num_drafts, step.num_rounds, (self.proposer.min_n, self.proposer.max_n),
-        )
+        step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds)
         step.host_values = torch.cat([step.rounds.tokens.flatten(), step.rounds.accepted.flatten()])
         if self.device.type == "cuda":
             step.sampled_host = torch.empty(step.host_values.shape, dtype=torch.int64, pin_memory=True)

@@ -448,15 +448,15 @@ def test_loading_a_draft_model_splits_the_kv_budget(engine_dir, random_draft_eng
 
 def _counting_rounds(monkeypatch) -> list[tuple[int, int, int]]:
     """Record (requests, drafts, rounds) of every step of chained rounds the runner launches."""
-    import executor_svc.runner as runner_module
+    from executor_svc.speculative.rounds import RoundsRunner
 
-    calls, real = [], runner_module.run_rounds
+    calls, real = [], RoundsRunner.run
 
-    def counting(model, kv_cache, graphs, tokens_per_block, requests, num_drafts, num_rounds, sizes):
+    def counting(self, requests, num_drafts, num_rounds):
         calls.append((len(requests), num_drafts, num_rounds))
-        return real(model, kv_cache, graphs, tokens_per_block, requests, num_drafts, num_rounds, sizes)
+        return real(self, requests, num_drafts, num_rounds)
 
-    monkeypatch.setattr(runner_module, "run_rounds", counting)
+    monkeypatch.setattr(RoundsRunner, "run", counting)
     return calls
 
 

@@ -57,63 +57,199 @@ class RoundsOutput:
     accepted: torch.Tensor  # [rounds, B] int64: drafts accepted per round (the round emits accepted + 1)
 
 
-@torch.inference_mode()
-def run_rounds(
-    model: nn.Module,
-    kv_cache: torch.Tensor,
-    graphs: DecodeGraphs | None,
-    tokens_per_block: int,
-    requests: Sequence[RoundsRequest],
-    num_drafts: int,
-    num_rounds: int,
-    ngram_sizes: tuple[int, int],  # (min_n, max_n) of the lookup that drafts rounds 2..R
-) -> RoundsOutput:
-    """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; nothing waits for the device
-    when the rounds replay a CUDA graph (otherwise each round reads its positions back to pack them)."""
-    device = kv_cache.device
-    batch, k, rows_per_request = len(requests), num_drafts, num_drafts + 1
-    lengths = [len(r.token_ids) for r in requests]
-    width = max(lengths) + num_rounds * rows_per_request + 1  # room for every round's rows past the longest
-    history = torch.full((batch, width), -1, dtype=torch.int64)
-    for i, r in enumerate(requests):
-        history[i, : lengths[i]] = torch.tensor(r.token_ids, dtype=torch.int64)
-    table_width = max(len(r.block_table) for r in requests)
-    tables = to_device([r.block_table + [0] * (table_width - len(r.block_table)) for r in requests], torch.int64, device)
-    first = [r.drafts[:k] + [r.token_ids[-1]] * (k - len(r.drafts[:k])) for r in requests]
-    history = history.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else history
-    lens = to_device(lengths, torch.int64, device)
-    drafts = to_device(first, torch.int64, device)
-    offsets = torch.arange(rows_per_request, device=device)
-    no_draft = torch.full((batch, 1), NO_DRAFT, dtype=torch.int64, device=device)
-    row_states = [r.sampling for r in requests for _ in range(rows_per_request)]
-    row_tables = tables.repeat_interleave(rows_per_request, dim=0)
-    max_context = max(lengths) - 1 + num_rounds * rows_per_request
-    use_graph = graphs is not None and graphs.fits(batch * rows_per_request, max_context)
-    out = RoundsOutput(
-        tokens=torch.empty((num_rounds, batch, rows_per_request), dtype=torch.int64, device=device),
-        accepted=torch.empty((num_rounds, batch), dtype=torch.int64, device=device),
-    )
-    for rnd in range(num_rounds):
-        positions = (lens - 1)[:, None] + offsets  # the last token, then the drafts
-        ids = torch.cat([history.gather(1, (lens - 1)[:, None]), drafts], dim=1)
-        if use_graph:
-            slots = tables.gather(1, positions // tokens_per_block) * tokens_per_block + positions % tokens_per_block
-            logits, _ = graphs.run_device(
-                ids.flatten(), positions.flatten(), slots.flatten(), (positions + 1).flatten(), row_tables, max_context,
-            )
-        else:
-            logits = _eager_round(model, kv_cache, graphs, tokens_per_block, requests, positions, ids)
-        row_tokens, row_accepted = verify_drafts(logits, torch.cat([drafts, no_draft], dim=1).flatten(), row_states)
-        row_tokens = row_tokens.view(batch, rows_per_request)
-        accepted = row_accepted.view(batch, rows_per_request)[:, :k].to(torch.int64).cumprod(dim=1).sum(dim=1)
-        # Rows past the accepted prefix land past the new length: ignored, and overwritten by the next round.
-        history.scatter_(1, lens[:, None] + offsets, row_tokens)
-        lens = lens + accepted + 1
-        out.tokens[rnd] = row_tokens
-        out.accepted[rnd] = accepted
-        if rnd + 1 < num_rounds:
-            drafts = ngram_drafts_on_device(history, lens, k, *ngram_sizes)
-    return out
+
+
+def _round_inputs(
+    history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, tables: torch.Tensor, tokens_per_block: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ids, positions, slots: [B, 1 + k] each
+    """A round's rows: each request's last token (at position lens - 1, not in the cache yet), then its drafts."""
+    offsets = torch.arange(drafts.shape[1] + 1, device=lens.device)
+    positions = (lens - 1)[:, None] + offsets
+    ids = torch.cat([history.gather(1, (lens - 1)[:, None]), drafts], dim=1)
+    slots = tables.gather(1, positions // tokens_per_block) * tokens_per_block + positions % tokens_per_block
+    return ids, positions, slots
+
+
+def _accept(
+    row_tokens: torch.Tensor, row_accepted: torch.Tensor, history: torch.Tensor, lens: torch.Tensor,
+) -> torch.Tensor:  # [B] drafts accepted
+    """Apply a round's verdict ([B, 1 + k] each): append what it emits to ``history``, advance ``lens`` (in place)."""
+    k = row_tokens.shape[1] - 1
+    accepted = row_accepted[:, :k].to(torch.int64).cumprod(dim=1).sum(dim=1)
+    # Rows past the accepted prefix land past the new length: ignored, and overwritten by the next round.
+    offsets = torch.arange(k + 1, device=lens.device)
+    history.scatter_(1, lens[:, None] + offsets, row_tokens)
+    lens.add_(accepted + 1)
+    return accepted
+
+
+class RoundsRunner:
+    """Runs steps of chained rounds for one engine.
+
+    Greedy steps whose rows fit a CUDA graph run each round as three graph
+    replays and one argmax: the round's inputs (written into the decode
+    graph's static buffers), the decode graph itself, the argmax of its
+    logits, and the verdict with the next round's lookup. The first and last
+    are small graphs captured on first use for each (requests, draft length);
+    without them a round is some sixty small launches, which at batch 1 would
+    cost the host more than the round costs the GPU. Everything else (sampled
+    requests, no GPU, rows past the graphs) runs the same tensor operations
+    one by one.
+    """
+
+    def __init__(
+        self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int,
+        max_seq_len: int, ngram_sizes: tuple[int, int],
+    ) -> None:
+        self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
+        self.tokens_per_block, self.max_seq_len, self.ngram_sizes = tokens_per_block, max_seq_len, ngram_sizes
+        self._captured: dict[tuple[int, int], _CapturedRound] = {}
+        self.pool = None  # one memory pool for every captured round: they only ever run one at a time
+
+    @torch.inference_mode()
+    def capture(self, num_requests: int, draft_lengths: Sequence[int]) -> None:
+        """Capture the rounds' small graphs now (engine load) rather than at their first step."""
+        if self.graphs is None:
+            return
+        for k in draft_lengths:
+            if self.graphs.fits(num_requests * (k + 1), 1) and (num_requests, k) not in self._captured:
+                self._captured[(num_requests, k)] = _CapturedRound(self, num_requests, k)
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int) -> RoundsOutput:
+        """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request."""
+        rows = len(requests) * (num_drafts + 1)
+        max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * (num_drafts + 1)
+        graphs = self.graphs
+        if (
+            graphs is not None and graphs.fits(rows, max_context)
+            and all(r.sampling.config.is_greedy for r in requests)
+        ):
+            return self._run_captured(requests, num_drafts, num_rounds, *graphs.bucket(rows, max_context))
+        return self._run_eager(requests, num_drafts, num_rounds, max_context)
+
+    def _initial(
+        self, requests: Sequence[RoundsRequest], k: int, history_width: int, table_width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # history, lens, drafts, tables
+        device = self.kv_cache.device
+        history = torch.full((len(requests), history_width), -1, dtype=torch.int64)
+        for i, r in enumerate(requests):
+            history[i, : len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.int64)
+        history = history.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else history
+        lens = to_device([len(r.token_ids) for r in requests], torch.int64, device)
+        drafts = to_device([r.drafts[:k] + [r.token_ids[-1]] * (k - len(r.drafts[:k])) for r in requests], torch.int64, device)
+        tables = to_device(
+            [(r.block_table + [0] * table_width)[:table_width] for r in requests], torch.int64, device,
+        )
+        return history, lens, drafts, tables
+
+    def _run_eager(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, max_context: int) -> RoundsOutput:
+        device = self.kv_cache.device
+        batch, rows_per_request = len(requests), k + 1
+        width = max(len(r.token_ids) for r in requests) + num_rounds * rows_per_request + 1
+        history, lens, drafts, tables = self._initial(requests, k, width, max(len(r.block_table) for r in requests))
+        row_states = [r.sampling for r in requests for _ in range(rows_per_request)]
+        row_tables = tables.repeat_interleave(rows_per_request, dim=0)
+        no_draft = torch.full((batch, 1), NO_DRAFT, dtype=torch.int64, device=device)
+        graphs = self.graphs
+        use_graph = graphs is not None and graphs.fits(batch * rows_per_request, max_context)
+        out = RoundsOutput(
+            tokens=torch.empty((num_rounds, batch, rows_per_request), dtype=torch.int64, device=device),
+            accepted=torch.empty((num_rounds, batch), dtype=torch.int64, device=device),
+        )
+        for rnd in range(num_rounds):
+            ids, positions, slots = _round_inputs(history, lens, drafts, tables, self.tokens_per_block)
+            if use_graph:
+                logits, _ = graphs.run_device(
+                    ids.flatten(), positions.flatten(), slots.flatten(), (positions + 1).flatten(), row_tables, max_context,
+                )
+            else:
+                logits = _eager_round(self.model, self.kv_cache, graphs, self.tokens_per_block, requests, positions, ids)
+            row_tokens, row_accepted = verify_drafts(logits, torch.cat([drafts, no_draft], dim=1).flatten(), row_states)
+            row_tokens = row_tokens.view(batch, rows_per_request)
+            out.tokens[rnd] = row_tokens
+            out.accepted[rnd] = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
+            if rnd + 1 < num_rounds:
+                drafts = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes)
+        return out
+
+    def _run_captured(
+        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, batch: int, width: int,
+    ) -> RoundsOutput:
+        key = (len(requests), k)
+        captured = self._captured.get(key)
+        if captured is None:
+            captured = self._captured[key] = _CapturedRound(self, len(requests), k)
+        history, lens, drafts, tables = self._initial(requests, k, captured.history.shape[1], captured.tables.shape[1])
+        captured.history.copy_(history)
+        captured.lens.copy_(lens)
+        captured.drafts.copy_(drafts)
+        captured.tables.copy_(tables)
+        self.graphs.bind_tables(batch, width, captured.tables.repeat_interleave(k + 1, dim=0))
+        device = self.kv_cache.device
+        out = RoundsOutput(
+            tokens=torch.empty((num_rounds, len(requests), k + 1), dtype=torch.int64, device=device),
+            accepted=torch.empty((num_rounds, len(requests)), dtype=torch.int64, device=device),
+        )
+        rows = len(requests) * (k + 1)
+        for rnd in range(num_rounds):
+            captured.inputs.replay()
+            logits, _ = self.graphs.replay(batch, width)
+            torch.argmax(logits[:rows], dim=-1, out=captured.target)  # greedy: the target's own tokens
+            captured.verdict.replay()
+            out.tokens[rnd].copy_(captured.round_tokens)
+            out.accepted[rnd].copy_(captured.round_accepted)
+        return out
+
+
+class _CapturedRound:
+    """Static buffers and the two small graphs of greedy rounds for one (requests, draft length)."""
+
+    def __init__(self, runner: RoundsRunner, num_requests: int, k: int) -> None:
+        graphs, device = runner.graphs, runner.kv_cache.device
+        rows = num_requests * (k + 1)
+        # Every position a round reads or writes stays below max_seq_len (the scheduler's limit).
+        self.history = torch.full((num_requests, runner.max_seq_len + 2), -1, dtype=torch.int64, device=device)
+        self.lens = torch.ones(num_requests, dtype=torch.int64, device=device)
+        self.drafts = torch.zeros((num_requests, k), dtype=torch.int64, device=device)
+        # As wide as the widest decode graph's tables: each replay binds the width its graph reads.
+        self.tables = torch.full((num_requests, graphs.widths[-1]), graphs.scratch_block, dtype=torch.int64, device=device)
+        self.target = torch.zeros(rows, dtype=torch.int64, device=device)  # the argmax of each row's logits
+        self.round_tokens = torch.zeros((num_requests, k + 1), dtype=torch.int64, device=device)
+        self.round_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
+
+        def inputs() -> None:
+            ids, positions, slots = _round_inputs(self.history, self.lens, self.drafts, self.tables, runner.tokens_per_block)
+            graphs.input_ids[:rows].copy_(ids.flatten())
+            graphs.positions[:rows].copy_(positions.flatten())
+            graphs.slot_mapping[:rows].copy_(slots.flatten())
+            graphs.context_lens[:rows].copy_((positions + 1).flatten())
+
+        def verdict() -> None:
+            target = self.target.view(num_requests, k + 1)
+            agree = torch.cat([target[:, :k] == self.drafts, torch.zeros_like(self.lens, dtype=torch.bool)[:, None]], 1)
+            self.round_accepted.copy_(_accept(target, agree, self.history, self.lens))
+            self.round_tokens.copy_(target)
+            self.drafts.copy_(ngram_drafts_on_device(self.history, self.lens, k, *runner.ngram_sizes))
+
+        if runner.pool is None:
+            runner.pool = torch.cuda.graph_pool_handle()
+        self.inputs = _capture(inputs, device, runner.pool)
+        self.verdict = _capture(verdict, device, runner.pool)
+
+
+def _capture(fn, device: torch.device, pool) -> torch.cuda.CUDAGraph:
+    """``fn`` (tensor operations on static buffers) as a CUDA graph, after one warm-up run on a side stream."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the pipeline's other thread may query events of steps in flight meanwhile.
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        fn()
+    return graph
 
 
 def _eager_round(
