@@ -123,8 +123,8 @@ class ModelRunner:
         self.rounds = None
         if self.max_rounds > 1:
             self.rounds = RoundsRunner(engine.model, engine.kv_cache, engine.decode_graphs, self.tokens_per_block,
-                                       engine.max_seq_len, (self.proposer.min_n, self.proposer.max_n))
-            self.rounds.capture(1, range(1, self.max_draft_tokens + 1))  # batch 1, where rounds pay most
+                                       (self.proposer.min_n, self.proposer.max_n))
+            self.rounds.warm_up(range(1, self.max_draft_tokens + 1))
         # Short context chunks run as single-token rows when that makes the step a graph replay
         # (packed_forward.short_chunks_as_rows); 0 keeps every chunk a tile set.
         self.max_rows_per_chunk = MAX_ROWS_PER_CHUNK

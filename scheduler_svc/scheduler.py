@@ -168,8 +168,9 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         order = self._running_order()
-        draft_length, drafts_of = self._choose_draft_length(order)
-        rounds = self._chained_rounds(order, draft_length, drafts_of)
+        chainable = self._chainable(order)
+        draft_length, drafts_of = self._choose_draft_length(order, chainable)
+        rounds = self._chained_rounds(order, draft_length, chainable)
         max_seq_len = self.config.max_seq_len
         propose_now = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
         step.drafts_to_propose = propose_now
@@ -242,18 +243,32 @@ class Scheduler:
         ) - 1
         return request.draft_token_ids[: max(0, room)]
 
-    def _choose_draft_length(self, order: list[Request]) -> tuple[int, dict[str, list[int]]]:
+    def _chainable(self, order: list[Request]) -> bool:
+        """Whether this step may chain verification rounds: the executor can, no request waits (it would
+        wait for every round), and every running request is in generation, its last token known, and
+        may speculate."""
+        if self.config.max_speculative_rounds <= 1 or not self.config.max_draft_tokens or self.waiting or not order:
+            return False
+        return all(
+            r.can_speculate and not r.num_pending_outputs and not r.num_scheduled_drafts
+            and r.num_computed_tokens == r.num_tokens - 1
+            for r in order
+        )
+
+    def _choose_draft_length(self, order: list[Request], chainable: bool) -> tuple[int, dict[str, list[int]]]:
         """The step's draft length, and the drafts each request may verify (cut to its limits)."""
         if not self.config.max_draft_tokens:
             return 0, {}
-        if not self._drafts_asked:  # no plan asked for drafts since the last step: none to look for
+        if not self._drafts_asked and not chainable:  # no plan asked for drafts since the last step: none to look for
             return self.draft_policy.choose([], 0), {}
         candidates, other, drafts_of = [], 0, {}
         for request in order:
             drafts = self._drafts_for(request)
-            if drafts:
+            if drafts or chainable:
                 drafts_of[request.request_id] = drafts
-                candidates.append(Candidate(request.request_id, len(drafts), request.acceptance.rate))
+                # Chained rounds verify K drafts for every request: the device looks up what the host did not.
+                num_drafts = self.config.max_draft_tokens if chainable else len(drafts)
+                candidates.append(Candidate(request.request_id, num_drafts, request.acceptance.rate))
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
@@ -263,23 +278,19 @@ class Scheduler:
             drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}
         return draft_length, drafts_of
 
-    def _chained_rounds(self, order: list[Request], draft_length: int, drafts_of: dict[str, list[int]]) -> int:
-        """Verification rounds for this step: more than one only when drafts are verified, nothing
-        waits, every running request is in generation and may speculate (one without drafts of its own
-        starts from padding, and the device drafts its later rounds), and each has room for what the
-        rounds may emit."""
+    def _chained_rounds(self, order: list[Request], draft_length: int, chainable: bool) -> int:
+        """Verification rounds for this step: more than one only when the step may chain them
+        (``_chainable``; a request without drafts of its own starts from padding, and the device looks up
+        its later rounds' drafts), drafts are verified, and each request has room for what they may emit."""
         cfg = self.config
-        rounds = cfg.max_speculative_rounds
-        if rounds <= 1 or draft_length <= 0 or not drafts_of or self.waiting or self.draft_policy.verify_limit is not None:
+        if not chainable or draft_length <= 0 or self.draft_policy.verify_limit is not None:
             return 1
         rows = 1 + draft_length
-        rounds = min(rounds, cfg.max_num_tokens // (rows * len(order)))
+        rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
         for request in order:
-            if not request.can_speculate or request.num_pending_outputs or request.num_computed_tokens != request.num_tokens - 1:
-                return 1
             room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
             rounds = min(rounds, room // rows)
-        return rounds if rounds > 1 else 1
+        return max(1, rounds)
 
     def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).

@@ -81,6 +81,41 @@ def test_device_lookup_proposes_what_the_index_proposes():
             assert drafts[i].tolist() == expected + [seq[-1]] * (k - len(expected))  # padded with the last token
 
 
+def test_round_kernels_match_their_torch_reference():
+    import random
+
+    from executor_svc.speculative.rounds import _accept, _round_inputs
+    from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
+
+    rng, device = random.Random(2), torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: interpreted
+    for _ in range(12):
+        batch, k, block = rng.randint(1, 3), rng.randint(1, 8), 16
+        min_n, max_n = rng.choice([(2, 4), (1, 3), (3, 3)])
+        lens = torch.tensor([rng.randint(1, 120) for _ in range(batch)], device=device)
+        history = torch.randint(0, 4, (batch, 160), device=device)  # a small vocabulary: lookups find matches
+        drafts = torch.randint(0, 4, (batch, k), device=device)
+        tables = torch.randint(0, 100, (batch, 12), device=device)
+        rows = batch * (k + 1)
+        outs = [torch.full((rows + 2,), -7, dtype=torch.int64, device=device) for _ in range(4)]  # graph buffers: more rows
+        round_inputs(history, lens, drafts, tables, block, *outs)
+        ids, positions, slots = _round_inputs(history, lens, drafts, tables, block)
+        for out, ref in zip(outs, [ids, positions, slots, positions + 1]):
+            assert torch.equal(out[:rows], ref.flatten()) and (out[rows:] == -7).all()
+        target = torch.randint(0, 4, (batch, k + 1), device=device)
+        for b in range(batch):  # the target agrees with a prefix of the drafts
+            prefix = rng.randint(0, k)
+            target[b, :prefix] = drafts[b, :prefix]
+        history_k, lens_k, drafts_k = history.clone(), lens.clone(), drafts.clone()
+        tokens_k = torch.zeros((batch, k + 1), dtype=torch.int64, device=device)
+        accepted_k = torch.zeros(batch, dtype=torch.int64, device=device)
+        round_verdict(target.flatten(), history_k, lens_k, drafts_k, tokens_k, accepted_k, min_n, max_n)
+        agree = torch.cat([target[:, :k] == drafts, torch.zeros((batch, 1), dtype=torch.bool, device=device)], dim=1)
+        accepted = _accept(target, agree, history, lens)
+        assert torch.equal(accepted_k, accepted) and torch.equal(tokens_k, target)
+        assert torch.equal(history_k, history) and torch.equal(lens_k, lens)
+        assert torch.equal(drafts_k, ngram_drafts_on_device(history, lens, k, min_n, max_n))
+
+
 def _states(config: SamplingConfig, count: int, seed0: int = 0) -> list[RequestSamplingState]:
     return [
         RequestSamplingState(dataclasses.replace(config, seed=seed0 + i), [1], "cpu") for i in range(count)
@@ -192,6 +227,16 @@ def test_scheduler_chains_rounds_when_every_request_verifies_and_none_waits():
     s.add_request(make_request("b", 6))
     plan = s.schedule()
     assert plan.cached_requests[0].num_rounds == 1 and plan.cached_requests[0].num_scheduled_tokens == 2
+
+
+def test_chained_rounds_need_no_drafts_from_the_host():
+    s = make_scheduler(max_draft_tokens=2, max_speculative_rounds=3, adaptive_draft_length=False)
+    s.add_request(make_request("a", 6, max_tokens=40))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [])]))  # the host's lookup found nothing
+    cached = s.schedule().cached_requests[0]
+    # The device looks up every round's drafts (the first starts from padding).
+    assert (cached.num_rounds, cached.num_scheduled_tokens, cached.draft_token_ids) == (3, 9, [])
 
 
 def test_chained_rounds_stay_within_max_tokens():
@@ -478,7 +523,7 @@ def test_chained_rounds_give_the_same_greedy_tokens(engine, tokenizer, plain_out
 def test_chained_rounds_with_sampling_stay_valid(engine, tokenizer, monkeypatch):
     calls = _counting_rounds(monkeypatch)
     spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=4))
-    outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, {"adaptive_draft_length": False},
+    outputs, _, _ = _generate(spec, tokenizer, COPY_PROMPTS, {"adaptive_draft_length": False},
                                    sampling={"temperature": 0.7, "top_p": 0.9, "seed": 3})
     assert calls and all(len(ids) == 20 for ids in outputs)
     assert all(0 <= t < engine.model_config.vocab_size for ids in outputs for t in ids)

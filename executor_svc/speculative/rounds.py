@@ -86,34 +86,39 @@ def _accept(
 class RoundsRunner:
     """Runs steps of chained rounds for one engine.
 
-    Greedy steps whose rows fit a CUDA graph run each round as three graph
-    replays and one argmax: the round's inputs (written into the decode
-    graph's static buffers), the decode graph itself, the argmax of its
-    logits, and the verdict with the next round's lookup. The first and last
-    are small graphs captured on first use for each (requests, draft length);
-    without them a round is some sixty small launches, which at batch 1 would
-    cost the host more than the round costs the GPU. Everything else (sampled
-    requests, no GPU, rows past the graphs) runs the same tensor operations
-    one by one.
+    Greedy steps whose rows fit a CUDA graph run each round as four launches:
+    ``round_inputs`` (rounds_triton.py) writes the rows into the decode
+    graph's static buffers, the graph replays, an argmax picks the target's
+    tokens, and ``round_verdict`` judges the drafts, extends each request's
+    history and looks up the next round's drafts. Everything else (sampled
+    requests, no GPU, rows past the graphs) runs the same steps as torch
+    operations, which are also the kernels' reference.
     """
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int,
-        max_seq_len: int, ngram_sizes: tuple[int, int],
+        ngram_sizes: tuple[int, int],  # (min_n, max_n) of the lookup that drafts rounds 2..R
     ) -> None:
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
-        self.tokens_per_block, self.max_seq_len, self.ngram_sizes = tokens_per_block, max_seq_len, ngram_sizes
-        self._captured: dict[tuple[int, int], _CapturedRound] = {}
-        self.pool = None  # one memory pool for every captured round: they only ever run one at a time
+        self.tokens_per_block, self.ngram_sizes = tokens_per_block, ngram_sizes
 
     @torch.inference_mode()
-    def capture(self, num_requests: int, draft_lengths: Sequence[int]) -> None:
-        """Capture the rounds' small graphs now (engine load) rather than at their first step."""
+    def warm_up(self, draft_lengths: Sequence[int]) -> None:
+        """Compile the round kernels for each draft length now (engine load) rather than at a first step."""
         if self.graphs is None:
             return
+        from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
+
+        device = self.kv_cache.device
         for k in draft_lengths:
-            if self.graphs.fits(num_requests * (k + 1), 1) and (num_requests, k) not in self._captured:
-                self._captured[(num_requests, k)] = _CapturedRound(self, num_requests, k)
+            history = torch.zeros((1, 2 * k + 4), dtype=torch.int64, device=device)
+            lens = torch.ones(1, dtype=torch.int64, device=device)
+            drafts = torch.zeros((1, k), dtype=torch.int64, device=device)
+            rows = [torch.zeros(k + 1, dtype=torch.int64, device=device) for _ in range(4)]
+            round_inputs(history, lens, drafts, torch.zeros((1, k + 1), dtype=torch.int64, device=device),
+                         self.tokens_per_block, *rows)
+            round_verdict(rows[0], history, lens, drafts, torch.zeros((1, k + 1), dtype=torch.int64, device=device),
+                          torch.zeros(1, dtype=torch.int64, device=device), *self.ngram_sizes)
 
     @torch.inference_mode()
     def run(self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int) -> RoundsOutput:
@@ -125,7 +130,7 @@ class RoundsRunner:
             graphs is not None and graphs.fits(rows, max_context)
             and all(r.sampling.config.is_greedy for r in requests)
         ):
-            return self._run_captured(requests, num_drafts, num_rounds, *graphs.bucket(rows, max_context))
+            return self._run_fused(requests, num_drafts, num_rounds, *graphs.bucket(rows, max_context))
         return self._run_eager(requests, num_drafts, num_rounds, max_context)
 
     def _initial(
@@ -173,83 +178,26 @@ class RoundsRunner:
                 drafts = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes)
         return out
 
-    def _run_captured(
-        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, batch: int, width: int,
-    ) -> RoundsOutput:
-        key = (len(requests), k)
-        captured = self._captured.get(key)
-        if captured is None:
-            captured = self._captured[key] = _CapturedRound(self, len(requests), k)
-        history, lens, drafts, tables = self._initial(requests, k, captured.history.shape[1], captured.tables.shape[1])
-        captured.history.copy_(history)
-        captured.lens.copy_(lens)
-        captured.drafts.copy_(drafts)
-        captured.tables.copy_(tables)
-        self.graphs.bind_tables(batch, width, captured.tables.repeat_interleave(k + 1, dim=0))
-        device = self.kv_cache.device
+    def _run_fused(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, batch: int, width: int) -> RoundsOutput:
+        from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
+
+        graphs, device = self.graphs, self.kv_cache.device
+        num_requests, rows = len(requests), len(requests) * (k + 1)
+        history_width = max(len(r.token_ids) for r in requests) + num_rounds * (k + 1) + 1
+        history, lens, drafts, tables = self._initial(requests, k, history_width, width)
+        graphs.bind_tables(batch, width, tables.repeat_interleave(k + 1, dim=0))
+        target = torch.empty(rows, dtype=torch.int64, device=device)
         out = RoundsOutput(
-            tokens=torch.empty((num_rounds, len(requests), k + 1), dtype=torch.int64, device=device),
-            accepted=torch.empty((num_rounds, len(requests)), dtype=torch.int64, device=device),
+            tokens=torch.empty((num_rounds, num_requests, k + 1), dtype=torch.int64, device=device),
+            accepted=torch.empty((num_rounds, num_requests), dtype=torch.int64, device=device),
         )
-        rows = len(requests) * (k + 1)
         for rnd in range(num_rounds):
-            captured.inputs.replay()
-            logits, _ = self.graphs.replay(batch, width)
-            torch.argmax(logits[:rows], dim=-1, out=captured.target)  # greedy: the target's own tokens
-            captured.verdict.replay()
-            out.tokens[rnd].copy_(captured.round_tokens)
-            out.accepted[rnd].copy_(captured.round_accepted)
+            round_inputs(history, lens, drafts, tables, self.tokens_per_block,
+                         graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.context_lens)
+            logits, _ = graphs.replay(batch, width)
+            torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
+            round_verdict(target, history, lens, drafts, out.tokens[rnd], out.accepted[rnd], *self.ngram_sizes)
         return out
-
-
-class _CapturedRound:
-    """Static buffers and the two small graphs of greedy rounds for one (requests, draft length)."""
-
-    def __init__(self, runner: RoundsRunner, num_requests: int, k: int) -> None:
-        graphs, device = runner.graphs, runner.kv_cache.device
-        rows = num_requests * (k + 1)
-        # Every position a round reads or writes stays below max_seq_len (the scheduler's limit).
-        self.history = torch.full((num_requests, runner.max_seq_len + 2), -1, dtype=torch.int64, device=device)
-        self.lens = torch.ones(num_requests, dtype=torch.int64, device=device)
-        self.drafts = torch.zeros((num_requests, k), dtype=torch.int64, device=device)
-        # As wide as the widest decode graph's tables: each replay binds the width its graph reads.
-        self.tables = torch.full((num_requests, graphs.widths[-1]), graphs.scratch_block, dtype=torch.int64, device=device)
-        self.target = torch.zeros(rows, dtype=torch.int64, device=device)  # the argmax of each row's logits
-        self.round_tokens = torch.zeros((num_requests, k + 1), dtype=torch.int64, device=device)
-        self.round_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
-
-        def inputs() -> None:
-            ids, positions, slots = _round_inputs(self.history, self.lens, self.drafts, self.tables, runner.tokens_per_block)
-            graphs.input_ids[:rows].copy_(ids.flatten())
-            graphs.positions[:rows].copy_(positions.flatten())
-            graphs.slot_mapping[:rows].copy_(slots.flatten())
-            graphs.context_lens[:rows].copy_((positions + 1).flatten())
-
-        def verdict() -> None:
-            target = self.target.view(num_requests, k + 1)
-            agree = torch.cat([target[:, :k] == self.drafts, torch.zeros_like(self.lens, dtype=torch.bool)[:, None]], 1)
-            self.round_accepted.copy_(_accept(target, agree, self.history, self.lens))
-            self.round_tokens.copy_(target)
-            self.drafts.copy_(ngram_drafts_on_device(self.history, self.lens, k, *runner.ngram_sizes))
-
-        if runner.pool is None:
-            runner.pool = torch.cuda.graph_pool_handle()
-        self.inputs = _capture(inputs, device, runner.pool)
-        self.verdict = _capture(verdict, device, runner.pool)
-
-
-def _capture(fn, device: torch.device, pool) -> torch.cuda.CUDAGraph:
-    """``fn`` (tensor operations on static buffers) as a CUDA graph, after one warm-up run on a side stream."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the pipeline's other thread may query events of steps in flight meanwhile.
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-        fn()
-    return graph
 
 
 def _eager_round(

@@ -1,0 +1,127 @@
+"""The small work between chained verification rounds, as two Triton kernels.
+
+Between two replays of the decode graph a round needs its rows' inputs (each
+request's last token and drafts, their positions, KV slots and context
+lengths) and, after the argmax, its verdict: the accepted prefix, the emitted
+tokens appended to the request's device history, its new length, and the next
+round's prompt-lookup drafts. As torch operations that is some sixty small
+kernels per round, which on a fast GPU cost a third of the decode graph and
+more host time than the round itself. Here it is one program per request in
+each of two kernels:
+
+* ``round_inputs`` writes the rows straight into the decode graph's static
+  input buffers;
+* ``round_verdict`` judges the drafts against the target's tokens, appends
+  the round's rows to the history, advances the length, and looks the next
+  drafts up: for every earlier position e, how many of the last n tokens end
+  there (up to ``max_n``), the best being the longest run of at least
+  ``min_n`` and, among equal runs, the latest, which is exactly what
+  ``NgramIndex.propose`` picks (``ngram_drafts_on_device`` is the torch
+  reference).
+
+Both are checked against the torch reference (executor_svc/speculative/
+rounds.py) on the CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_POSITIONS = 1024  # history positions one loop iteration of the lookup compares
+
+
+@triton.jit
+def _round_inputs_kernel(
+    history_ptr, lens_ptr, drafts_ptr, tables_ptr, ids_ptr, positions_ptr, slots_ptr, context_ptr,
+    stride_history, stride_drafts, stride_tables,
+    K: tl.constexpr, BLOCK: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.arange(0, BLOCK)  # row j: the last token (j = 0), then draft j - 1
+    rows = j < K + 1
+    length = tl.load(lens_ptr + b)
+    last_token = tl.load(history_ptr + b * stride_history + length - 1)
+    draft = tl.load(drafts_ptr + b * stride_drafts + j - 1, mask=rows & (j >= 1), other=0)
+    ids = tl.where(j == 0, last_token, draft)
+    position = length - 1 + j
+    block = tl.load(tables_ptr + b * stride_tables + position // TOKENS_PER_BLOCK, mask=rows, other=0)
+    row = b * (K + 1) + j
+    tl.store(ids_ptr + row, ids, mask=rows)
+    tl.store(positions_ptr + row, position, mask=rows)
+    tl.store(slots_ptr + row, block * TOKENS_PER_BLOCK + position % TOKENS_PER_BLOCK, mask=rows)
+    tl.store(context_ptr + row, position + 1, mask=rows)
+
+
+@triton.jit
+def _round_verdict_kernel(
+    target_ptr, history_ptr, lens_ptr, drafts_ptr, out_tokens_ptr, out_accepted_ptr,
+    stride_history, stride_drafts,
+    K: tl.constexpr, BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = history_ptr + b * stride_history
+    j = tl.arange(0, BLOCK)
+    rows = j < K + 1
+    target = tl.load(target_ptr + b * (K + 1) + j, mask=rows, other=0)
+    draft = tl.load(drafts_ptr + b * stride_drafts + j, mask=j < K, other=-1)
+    # The accepted prefix ends at the first row whose draft the target disagrees with; row K has none.
+    rejected = (j >= K) | (target != draft)
+    accepted = tl.min(tl.where(rejected, j, BLOCK), axis=0).to(tl.int64)
+    length = tl.load(lens_ptr + b)
+    tl.store(row + length + j, target, mask=rows)  # rows past the accepted prefix lie past the new length
+    tl.store(out_tokens_ptr + b * (K + 1) + j, target, mask=rows)
+    tl.store(out_accepted_ptr + b, accepted)
+    length = length + accepted + 1
+    tl.store(lens_ptr + b, length)
+    tl.debug_barrier()  # the appended tokens and the old drafts' loads, before the lookup reads and writes
+
+    # The next drafts: the longest suffix (MIN_N..MAX_N tokens) seen ending at an earlier position e.
+    last = length - 1
+    best = tl.full((), -1, tl.int64)  # run * stride_history + e of the best match so far
+    for start in range(0, last, BLOCK_E):
+        e = start + tl.arange(0, BLOCK_E)
+        matching = e < last
+        run = tl.zeros((BLOCK_E,), dtype=tl.int64)
+        for i in tl.static_range(MAX_N):
+            suffix = tl.where(last - i >= 0, tl.load(row + tl.maximum(last - i, 0)), -2)  # -2: no token
+            token = tl.load(row + e - i, mask=matching & (e - i >= 0), other=-3)
+            matching = matching & (token == suffix)
+            run += matching.to(tl.int64)
+        score = tl.where(run >= MIN_N, run * stride_history + e, -1)
+        best = tl.maximum(best, tl.max(score, axis=0))
+    first = tl.where(best >= 0, best % stride_history + 1, -1)
+    d = tl.arange(0, BLOCK)
+    source = first + d
+    found = (source >= d) & (source < length) & (d < K)  # source >= d: a match was found (first >= 0)
+    copied = tl.load(row + source, mask=found, other=0)
+    tl.store(drafts_ptr + b * stride_drafts + d, tl.where(found, copied, tl.load(row + last)), mask=d < K)
+
+
+def round_inputs(
+    history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, tables: torch.Tensor, tokens_per_block: int,
+    ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, context_lens: torch.Tensor,
+) -> None:
+    """Rows b * (1 + k) + j of the 1-D int64 outputs: request b's last token (j = 0) and drafts, their positions
+    (from lens - 1 on), KV slots and context lengths. history [B, H], lens [B], drafts [B, k], tables [B, W]."""
+    batch, k = drafts.shape
+    _round_inputs_kernel[(batch,)](
+        history, lens, drafts, tables, ids, positions, slots, context_lens,
+        history.stride(0), drafts.stride(0), tables.stride(0),
+        K=k, BLOCK=triton.next_power_of_2(k + 1), TOKENS_PER_BLOCK=tokens_per_block,
+    )
+
+
+def round_verdict(
+    target: torch.Tensor, history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
+    out_tokens: torch.Tensor, out_accepted: torch.Tensor, min_n: int, max_n: int,
+) -> None:
+    """Greedy verdict of a round from the target's tokens ([B * (1 + k)], the argmax of each row): writes the
+    rows' tokens [B, 1 + k] and accepted counts [B], appends to ``history`` and advances ``lens``, and replaces
+    ``drafts`` [B, k] with the next round's lookup (padded with the last token, as ``ngram_drafts_on_device``)."""
+    batch, k = drafts.shape
+    _round_verdict_kernel[(batch,)](
+        target, history, lens, drafts, out_tokens, out_accepted, history.stride(0), drafts.stride(0),
+        K=k, BLOCK=triton.next_power_of_2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_E=BLOCK_POSITIONS,
+    )
