@@ -95,13 +95,15 @@ def main(tokenizer_dir: str, device: str = "cuda") -> None:
     for k, rounds in ((8, 4), (8, 8)):  # chained rounds, drafted on the device
         ms, host = timed(one, k, max(reps // rounds, 2), rounds=rounds)
         print(f"batch 1 k={k} x {rounds} rounds: {ms:.3f} ms/step = {ms / rounds:.3f} ms/round, host {host}")
-    for k in (0, 4):
+    for k, rounds in ((0, 1), (4, 1), (8, 4)):
+        steps = max(profiled // rounds, 2)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(profiled):
-                runner.execute(plan(one, k))
+            for _ in range(steps):
+                runner.execute(plan(one, k) if rounds == 1 else chained(one, k, rounds))
             sync()
-        print(f"===== profile batch 1 k={k} ({profiled} steps)")
+        print(f"===== profile batch 1 k={k} x {rounds} rounds ({steps} steps)")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=16, max_name_column_width=60))
     state["step"] += 1
     runner.execute(StepPlan(state["step"], finished_request_ids=one))
     full = [f"b{i}" for i in range(256)]

@@ -106,12 +106,13 @@ def test_round_kernels_match_their_torch_reference():
             prefix = rng.randint(0, k)
             target[b, :prefix] = drafts[b, :prefix]
         history_k, lens_k, drafts_k = history.clone(), lens.clone(), drafts.clone()
-        tokens_k = torch.zeros((batch, k + 1), dtype=torch.int64, device=device)
-        accepted_k = torch.zeros(batch, dtype=torch.int64, device=device)
-        round_verdict(target.flatten(), history_k, lens_k, drafts_k, tokens_k, accepted_k, min_n, max_n)
+        tokens_k = torch.zeros((3, batch, k + 1), dtype=torch.int64, device=device)  # round 1 of 3
+        accepted_k = torch.zeros((3, batch), dtype=torch.int64, device=device)
+        round_verdict(target.flatten(), history_k, lens_k, drafts_k, tokens_k, accepted_k, 1, min_n, max_n)
         agree = torch.cat([target[:, :k] == drafts, torch.zeros((batch, 1), dtype=torch.bool, device=device)], dim=1)
         accepted = _accept(target, agree, history, lens)
-        assert torch.equal(accepted_k, accepted) and torch.equal(tokens_k, target)
+        assert torch.equal(accepted_k[1], accepted) and torch.equal(tokens_k[1], target)
+        assert not accepted_k[0].any() and not accepted_k[2].any() and not tokens_k[0].any()
         assert torch.equal(history_k, history) and torch.equal(lens_k, lens)
         assert torch.equal(drafts_k, ngram_drafts_on_device(history, lens, k, min_n, max_n))
 

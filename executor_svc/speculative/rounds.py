@@ -117,8 +117,8 @@ class RoundsRunner:
             rows = [torch.zeros(k + 1, dtype=torch.int64, device=device) for _ in range(4)]
             round_inputs(history, lens, drafts, torch.zeros((1, k + 1), dtype=torch.int64, device=device),
                          self.tokens_per_block, *rows)
-            round_verdict(rows[0], history, lens, drafts, torch.zeros((1, k + 1), dtype=torch.int64, device=device),
-                          torch.zeros(1, dtype=torch.int64, device=device), *self.ngram_sizes)
+            round_verdict(rows[0], history, lens, drafts, torch.zeros((1, 1, k + 1), dtype=torch.int64, device=device),
+                          torch.zeros((1, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes)
 
     @torch.inference_mode()
     def run(self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int) -> RoundsOutput:
@@ -196,7 +196,7 @@ class RoundsRunner:
                          graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.context_lens)
             logits, _ = graphs.replay(batch, width)
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
-            round_verdict(target, history, lens, drafts, out.tokens[rnd], out.accepted[rnd], *self.ngram_sizes)
+            round_verdict(target, history, lens, drafts, out.tokens, out.accepted, rnd, *self.ngram_sizes)
         return out
 
 

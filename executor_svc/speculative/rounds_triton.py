@@ -32,7 +32,8 @@ import triton.language as tl
 BLOCK_POSITIONS = 1024  # history positions one loop iteration of the lookup compares
 
 
-@triton.jit
+# Strides change with every step's lengths: not specialised on, so each draft length compiles once.
+@triton.jit(do_not_specialize=["stride_history", "stride_drafts", "stride_tables"])
 def _round_inputs_kernel(
     history_ptr, lens_ptr, drafts_ptr, tables_ptr, ids_ptr, positions_ptr, slots_ptr, context_ptr,
     stride_history, stride_drafts, stride_tables,
@@ -54,14 +55,18 @@ def _round_inputs_kernel(
     tl.store(context_ptr + row, position + 1, mask=rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_history", "stride_drafts", "round_index"])
 def _round_verdict_kernel(
     target_ptr, history_ptr, lens_ptr, drafts_ptr, out_tokens_ptr, out_accepted_ptr,
-    stride_history, stride_drafts,
+    stride_history, stride_drafts, round_index,
     K: tl.constexpr, BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = history_ptr + b * stride_history
+    # This round's slice of the outputs ([rounds, B, K + 1] and [rounds, B]), offset here rather than
+    # by the caller: a slice's address would change the kernel's specialisation every other round.
+    out_tokens_ptr += round_index * tl.num_programs(0) * (K + 1)
+    out_accepted_ptr += round_index * tl.num_programs(0)
     j = tl.arange(0, BLOCK)
     rows = j < K + 1
     target = tl.load(target_ptr + b * (K + 1) + j, mask=rows, other=0)
@@ -115,13 +120,14 @@ def round_inputs(
 
 def round_verdict(
     target: torch.Tensor, history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
-    out_tokens: torch.Tensor, out_accepted: torch.Tensor, min_n: int, max_n: int,
+    out_tokens: torch.Tensor, out_accepted: torch.Tensor, round_index: int, min_n: int, max_n: int,
 ) -> None:
     """Greedy verdict of a round from the target's tokens ([B * (1 + k)], the argmax of each row): writes the
-    rows' tokens [B, 1 + k] and accepted counts [B], appends to ``history`` and advances ``lens``, and replaces
-    ``drafts`` [B, k] with the next round's lookup (padded with the last token, as ``ngram_drafts_on_device``)."""
+    rows' tokens and accepted counts into round ``round_index`` of ``out_tokens`` [R, B, 1 + k] and
+    ``out_accepted`` [R, B] (contiguous), appends to ``history`` and advances ``lens``, and replaces ``drafts``
+    [B, k] with the next round's lookup (padded with the last token, as ``ngram_drafts_on_device``)."""
     batch, k = drafts.shape
     _round_verdict_kernel[(batch,)](
-        target, history, lens, drafts, out_tokens, out_accepted, history.stride(0), drafts.stride(0),
+        target, history, lens, drafts, out_tokens, out_accepted, history.stride(0), drafts.stride(0), round_index,
         K=k, BLOCK=triton.next_power_of_2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_E=BLOCK_POSITIONS,
     )
