@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--num-draft-tokens", type=int, default=4)
         p.add_argument("--ngram-min", type=int, default=2)
         p.add_argument("--ngram-max", type=int, default=4)
-        p.add_argument("--speculative-rounds", type=int, default=4, help="ngram: most verification rounds chained per step")
+        p.add_argument("--speculative-rounds", type=int, default=8, help="ngram: most verification rounds chained per step")
         p.add_argument("--max-num-tokens", type=int, default=8192)
         p.add_argument("--max-seq-len", type=int, default=4096)
         p.add_argument("--tokens-per-block", type=int, default=16)

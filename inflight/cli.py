@@ -39,7 +39,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="draft_model: engine folder, model name, Hugging Face folder or .gguf (built like the target)")
     g.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up")
-    g.add_argument("--speculative-rounds", type=int, default=4,
+    g.add_argument("--speculative-rounds", type=int, default=8,
                    help="ngram: most verification rounds one step chains on the device, drafting each from the "
                         "tokens the last accepted (1 = one round a step)")
 

@@ -245,9 +245,13 @@ class Scheduler:
 
     def _chainable(self, order: list[Request]) -> bool:
         """Whether this step may chain verification rounds: the executor can, no request waits (it would
-        wait for every round), and every running request is in generation, its last token known, and
-        may speculate."""
-        if self.config.max_speculative_rounds <= 1 or not self.config.max_draft_tokens or self.waiting or not order:
+        wait for every round), every running request is in generation, its last token known, and may
+        speculate, and the rows of the longest chains stay within the executor's batch: past it a round
+        leaves the CUDA graphs and waits for the host, and chaining would gain nothing."""
+        cfg = self.config
+        if cfg.max_speculative_rounds <= 1 or not cfg.max_draft_tokens or self.waiting or not order:
+            return False
+        if len(order) * (1 + cfg.max_draft_tokens) > cfg.max_batch_size:
             return False
         return all(
             r.can_speculate and not r.num_pending_outputs and not r.num_scheduled_drafts

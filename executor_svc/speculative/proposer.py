@@ -36,7 +36,7 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_engine_dir: Path | None = None  # DRAFT_MODEL: an engine of the same tokenizer
     # NGRAM: most verification rounds one step chains on the device (executor_svc/speculative/rounds.py).
-    max_rounds: int = 4
+    max_rounds: int = 8
 
     def __post_init__(self) -> None:
         if self.mode is not SpeculativeMode.NONE and not 1 <= self.num_draft_tokens <= 16:
