@@ -355,7 +355,8 @@ class ModelRunner:
         ]
         forward_start = time.perf_counter()
         step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds)
-        step.host_values = torch.cat([step.rounds.tokens.flatten(), step.rounds.accepted.flatten()])
+        rounds = step.rounds
+        step.host_values = torch.cat([rounds.tokens.flatten(), rounds.accepted.flatten(), rounds.drafted[:-1].flatten()])
         if self.device.type == "cuda":
             step.sampled_host = torch.empty(step.host_values.shape, dtype=torch.int64, pin_memory=True)
             step.sampled_host.copy_(step.host_values, non_blocking=True)
@@ -377,12 +378,14 @@ class ModelRunner:
         split = rounds * batch * rows
         tokens = [[values[(r * batch + b) * rows : (r * batch + b + 1) * rows] for b in range(batch)] for r in range(rounds)]
         accepted = [values[split + r * batch : split + (r + 1) * batch] for r in range(rounds)]
+        drafted = values[split + rounds * batch :]  # [rounds, B] flattened
         for b, (request_id, state, count) in enumerate(step.scheduled):
             emitted, per_round = emitted_tokens(tokens, accepted, b)
             state.num_computed_tokens -= count - len(emitted)  # the rejected rows' KV is stale
             state.verifying = False
             self._emit(request_id, state, emitted, sum(per_round), 0, step.result.outputs, to_draft)
             step.result.outputs[-1].round_accepted = per_round
+            step.result.outputs[-1].round_drafted = drafted[b::batch]
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""

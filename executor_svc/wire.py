@@ -70,6 +70,7 @@ def result_to_pb(result: StepResult) -> ex.StepResult:
         columns.num_accepted_drafts.extend([o.num_accepted_drafts for o in outputs])
         if any(o.round_accepted for o in outputs):  # else both columns stay empty: one round each
             write_lists(columns.round_counts, columns.round_accepted, [o.round_accepted for o in outputs])
+            columns.round_drafted.extend([d for o in outputs for d in o.round_drafted])
     msg.request_errors.update(result.request_errors)
     return msg
 

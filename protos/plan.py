@@ -105,6 +105,7 @@ class RequestOutput:
     next_draft_token_ids: list[int] = field(default_factory=list)  # proposed for the next step
     num_accepted_drafts: int = 0  # of this step's drafts; token_ids = those + one of the target's
     round_accepted: list[int] = field(default_factory=list)  # per verification round, when several ran
+    round_drafted: list[int] = field(default_factory=list)  # real drafts (not padding) per round, likewise
 
 
 @dataclass(slots=True)

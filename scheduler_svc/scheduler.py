@@ -448,18 +448,23 @@ class Scheduler:
         k = (scheduled + 1) // rounds - 1  # drafts per round
         per_round = list(output.round_accepted[:rounds]) if rounds > 1 else [output.num_accepted_drafts]
         per_round = [min(max(a, 0), k) for a in per_round] + [0] * (rounds - len(per_round))
+        # Of each round's k drafts, the real guesses: the rest padded rounds whose lookup found nothing.
+        drafted = list(output.round_drafted[:rounds]) if rounds > 1 else [k]
+        drafted = [min(max(d, 0), k) for d in drafted] + [k] * (rounds - len(drafted))
         # Rows past each round's accepted prefix emitted nothing: their slots get written again.
         request.num_computed_tokens -= scheduled + 1 - sum(a + 1 for a in per_round)
         request.num_scheduled_drafts = 0
         request.num_scheduled_rounds = 1
         stats = self.drafts
-        for accepted in per_round:
-            request.acceptance.observe(k, accepted)
-            request.num_draft_tokens += k
+        for accepted, guesses in zip(per_round, drafted):
+            # Statistics count real guesses only: a padded draft that happened to match is no acceptance.
+            accepted = min(accepted, guesses)
+            request.acceptance.observe(guesses, accepted)
+            request.num_draft_tokens += guesses
             request.num_accepted_draft_tokens += accepted
-            stats.num_draft_tokens += k
+            stats.num_draft_tokens += guesses
             stats.num_accepted += accepted
-            for i in range(k):
+            for i in range(guesses):
                 stats.by_position[i] += 1
                 stats.accepted_by_position[i] += i < accepted
 

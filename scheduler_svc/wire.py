@@ -186,9 +186,10 @@ def result_from_pb(msg: ex.StepResult) -> StepResult:
     tokens = split(columns.token_ids, token_counts)
     drafts = split(columns.next_draft_token_ids, draft_counts)
     rounds = split(columns.round_accepted, round_counts) if round_counts else [[] for _ in ids]
+    drafted = split(columns.round_drafted, round_counts) if round_counts else [[] for _ in ids]
     return StepResult(
         step_id=msg.step_id,
-        outputs=[RequestOutput(*output) for output in zip(ids, tokens, drafts, accepted, rounds)],
+        outputs=[RequestOutput(*output) for output in zip(ids, tokens, drafts, accepted, rounds, drafted)],
         forward_us=msg.forward_us, sample_us=msg.sample_us, step_us=msg.step_us, draft_us=msg.draft_us,
         request_errors=dict(msg.request_errors),
     )

@@ -108,13 +108,15 @@ def test_round_kernels_match_their_torch_reference():
         history_k, lens_k, drafts_k = history.clone(), lens.clone(), drafts.clone()
         tokens_k = torch.zeros((3, batch, k + 1), dtype=torch.int64, device=device)  # round 1 of 3
         accepted_k = torch.zeros((3, batch), dtype=torch.int64, device=device)
-        round_verdict(target.flatten(), history_k, lens_k, drafts_k, tokens_k, accepted_k, 1, min_n, max_n)
+        drafted_k = torch.zeros((4, batch), dtype=torch.int64, device=device)
+        round_verdict(target.flatten(), history_k, lens_k, drafts_k, tokens_k, accepted_k, drafted_k, 1, min_n, max_n)
         agree = torch.cat([target[:, :k] == drafts, torch.zeros((batch, 1), dtype=torch.bool, device=device)], dim=1)
         accepted = _accept(target, agree, history, lens)
         assert torch.equal(accepted_k[1], accepted) and torch.equal(tokens_k[1], target)
         assert not accepted_k[0].any() and not accepted_k[2].any() and not tokens_k[0].any()
         assert torch.equal(history_k, history) and torch.equal(lens_k, lens)
-        assert torch.equal(drafts_k, ngram_drafts_on_device(history, lens, k, min_n, max_n))
+        next_drafts, real = ngram_drafts_on_device(history, lens, k, min_n, max_n, with_counts=True)
+        assert torch.equal(drafts_k, next_drafts) and torch.equal(drafted_k[2], real)  # the next round's row
 
 
 def _states(config: SamplingConfig, count: int, seed0: int = 0) -> list[RequestSamplingState]:
@@ -216,14 +218,16 @@ def test_scheduler_chains_rounds_when_every_request_verifies_and_none_waits():
     # 4 rounds of 3 drafts: the plan's two drafts (padded by the executor) start the first.
     assert (cached.num_rounds, cached.num_scheduled_tokens, cached.draft_token_ids) == (4, 16, [101, 102])
     assert len(s.kv.block_table("a")) * s.config.tokens_per_block >= 6 + 16
-    # Rounds accepted 3, 0, 1 and 2 drafts: 4 + 1 + 2 + 3 = 10 tokens emitted.
+    # Rounds accepted 3, 0, 1 and 2 drafts: 4 + 1 + 2 + 3 = 10 tokens emitted. The third round's lookup
+    # found nothing: its drafts were padding (one matched by chance), which the statistics leave out.
     emitted = list(range(200, 210))
-    s.update(StepResult(plan.step_id, [RequestOutput("a", emitted, [7], 6, round_accepted=[3, 0, 1, 2])], step_us=4000))
+    output = RequestOutput("a", emitted, [7], 6, round_accepted=[3, 0, 1, 2], round_drafted=[3, 3, 0, 3])
+    s.update(StepResult(plan.step_id, [output], step_us=4000))
     req = s.requests["a"]
     assert req.output_token_ids == [100, *emitted]
     assert req.num_computed_tokens == 6 + 10  # the prompt, the first token and all but the last emitted
-    assert (req.num_draft_tokens, req.num_accepted_draft_tokens) == (12, 6)
-    assert s.drafts.by_position == [4, 4, 4] and s.drafts.accepted_by_position == [3, 2, 1]
+    assert (req.num_draft_tokens, req.num_accepted_draft_tokens) == (9, 5)
+    assert s.drafts.by_position == [3, 3, 3] and s.drafts.accepted_by_position == [2, 2, 1]
     # A waiting request turns chaining off: it would wait for every round.
     s.add_request(make_request("b", 6))
     plan = s.schedule()

@@ -55,8 +55,8 @@ def test_a_result_survives_the_wire():
     assert _over_the_wire_result(result) == result
     assert _over_the_wire_result(StepResult(step_id=2)) == StepResult(step_id=2)
     chained = StepResult(step_id=43, outputs=[
-        RequestOutput("a", [1, 2, 3, 4, 5], num_accepted_drafts=3, round_accepted=[2, 1, 0]),
-        RequestOutput("b", [6, 7, 8], num_accepted_drafts=0, round_accepted=[0, 0, 0]),
+        RequestOutput("a", [1, 2, 3, 4, 5], num_accepted_drafts=3, round_accepted=[2, 1, 0], round_drafted=[2, 2, 1]),
+        RequestOutput("b", [6, 7, 8], num_accepted_drafts=0, round_accepted=[0, 0, 0], round_drafted=[0, 2, 0]),
     ])
     assert _over_the_wire_result(chained) == chained
 

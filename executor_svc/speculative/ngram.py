@@ -56,7 +56,8 @@ def ngram_drafts_on_device(
     num_drafts: int,
     min_n: int = 2,
     max_n: int = 4,
-) -> torch.Tensor:  # [B, num_drafts] int64
+    with_counts: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [B, num_drafts] int64 (and [B] real drafts)
     """``NgramIndex.propose`` for a batch, as tensor operations: nothing waits for the host.
 
     For each request, the longest suffix of ``min_n`` to ``max_n`` tokens that
@@ -65,7 +66,8 @@ def ngram_drafts_on_device(
     proposes them. Where the index would propose fewer than ``num_drafts``
     (or nothing), the rest repeat the last token: the rounds that use these
     verify a fixed number of drafts, and a wrong guess costs nothing more
-    (verification is lossless).
+    (verification is lossless). ``with_counts`` also returns how many of each
+    request's drafts are real guesses rather than padding.
     """
     batch, width = tokens.shape
     device = tokens.device
@@ -89,4 +91,5 @@ def ngram_drafts_on_device(
     positions = start[:, None] + torch.arange(num_drafts, device=device)[None, :]
     valid = (start[:, None] >= 0) & (positions < lengths[:, None])
     copied = tokens.gather(1, positions.clamp(0, width - 1))
-    return torch.where(valid, copied, tokens.gather(1, last[:, None]))
+    drafts = torch.where(valid, copied, tokens.gather(1, last[:, None]))
+    return (drafts, valid.sum(dim=1)) if with_counts else drafts

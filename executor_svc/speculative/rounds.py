@@ -55,6 +55,19 @@ class RoundsOutput:
 
     tokens: torch.Tensor  # [rounds, B, 1 + k] int64: what each row emits if its chain gets that far
     accepted: torch.Tensor  # [rounds, B] int64: drafts accepted per round (the round emits accepted + 1)
+    # [rounds + 1, B] int64: of each round's k drafts, how many were real guesses rather than padding
+    # (row 0: the plan's; the last row is the lookup after the last round, unused).
+    drafted: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_rounds: int, requests: Sequence[RoundsRequest], k: int, device: torch.device) -> RoundsOutput:
+        drafted = torch.empty((num_rounds + 1, len(requests)), dtype=torch.int64)
+        drafted[0] = torch.tensor([min(len(r.drafts), k) for r in requests], dtype=torch.int64)
+        return cls(
+            tokens=torch.empty((num_rounds, len(requests), k + 1), dtype=torch.int64, device=device),
+            accepted=torch.empty((num_rounds, len(requests)), dtype=torch.int64, device=device),
+            drafted=drafted.to(device),
+        )
 
 
 
@@ -118,7 +131,8 @@ class RoundsRunner:
             round_inputs(history, lens, drafts, torch.zeros((1, k + 1), dtype=torch.int64, device=device),
                          self.tokens_per_block, *rows)
             round_verdict(rows[0], history, lens, drafts, torch.zeros((1, 1, k + 1), dtype=torch.int64, device=device),
-                          torch.zeros((1, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes)
+                          torch.zeros((1, 1), dtype=torch.int64, device=device),
+                          torch.zeros((2, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes)
 
     @torch.inference_mode()
     def run(self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int) -> RoundsOutput:
@@ -158,10 +172,7 @@ class RoundsRunner:
         no_draft = torch.full((batch, 1), NO_DRAFT, dtype=torch.int64, device=device)
         graphs = self.graphs
         use_graph = graphs is not None and graphs.fits(batch * rows_per_request, max_context)
-        out = RoundsOutput(
-            tokens=torch.empty((num_rounds, batch, rows_per_request), dtype=torch.int64, device=device),
-            accepted=torch.empty((num_rounds, batch), dtype=torch.int64, device=device),
-        )
+        out = RoundsOutput.empty(num_rounds, requests, k, device)
         for rnd in range(num_rounds):
             ids, positions, slots = _round_inputs(history, lens, drafts, tables, self.tokens_per_block)
             if use_graph:
@@ -175,7 +186,7 @@ class RoundsRunner:
             out.tokens[rnd] = row_tokens
             out.accepted[rnd] = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
             if rnd + 1 < num_rounds:
-                drafts = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes)
+                drafts, out.drafted[rnd + 1] = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
         return out
 
     def _run_fused(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, batch: int, width: int) -> RoundsOutput:
@@ -187,16 +198,13 @@ class RoundsRunner:
         history, lens, drafts, tables = self._initial(requests, k, history_width, width)
         graphs.bind_tables(batch, width, tables.repeat_interleave(k + 1, dim=0))
         target = torch.empty(rows, dtype=torch.int64, device=device)
-        out = RoundsOutput(
-            tokens=torch.empty((num_rounds, num_requests, k + 1), dtype=torch.int64, device=device),
-            accepted=torch.empty((num_rounds, num_requests), dtype=torch.int64, device=device),
-        )
+        out = RoundsOutput.empty(num_rounds, requests, k, device)
         for rnd in range(num_rounds):
             round_inputs(history, lens, drafts, tables, self.tokens_per_block,
                          graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.context_lens)
             logits, _ = graphs.replay(batch, width)
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
-            round_verdict(target, history, lens, drafts, out.tokens, out.accepted, rnd, *self.ngram_sizes)
+            round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes)
         return out
 
 

@@ -57,7 +57,7 @@ def _round_inputs_kernel(
 
 @triton.jit(do_not_specialize=["stride_history", "stride_drafts", "round_index"])
 def _round_verdict_kernel(
-    target_ptr, history_ptr, lens_ptr, drafts_ptr, out_tokens_ptr, out_accepted_ptr,
+    target_ptr, history_ptr, lens_ptr, drafts_ptr, out_tokens_ptr, out_accepted_ptr, out_drafted_ptr,
     stride_history, stride_drafts, round_index,
     K: tl.constexpr, BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
@@ -67,6 +67,7 @@ def _round_verdict_kernel(
     # by the caller: a slice's address would change the kernel's specialisation every other round.
     out_tokens_ptr += round_index * tl.num_programs(0) * (K + 1)
     out_accepted_ptr += round_index * tl.num_programs(0)
+    out_drafted_ptr += (round_index + 1) * tl.num_programs(0)  # the next round's real drafts
     j = tl.arange(0, BLOCK)
     rows = j < K + 1
     target = tl.load(target_ptr + b * (K + 1) + j, mask=rows, other=0)
@@ -102,6 +103,7 @@ def _round_verdict_kernel(
     found = (source >= d) & (source < length) & (d < K)  # source >= d: a match was found (first >= 0)
     copied = tl.load(row + source, mask=found, other=0)
     tl.store(drafts_ptr + b * stride_drafts + d, tl.where(found, copied, tl.load(row + last)), mask=d < K)
+    tl.store(out_drafted_ptr + b, tl.sum(found.to(tl.int64), axis=0))
 
 
 def round_inputs(
@@ -120,14 +122,17 @@ def round_inputs(
 
 def round_verdict(
     target: torch.Tensor, history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
-    out_tokens: torch.Tensor, out_accepted: torch.Tensor, round_index: int, min_n: int, max_n: int,
+    out_tokens: torch.Tensor, out_accepted: torch.Tensor, out_drafted: torch.Tensor, round_index: int,
+    min_n: int, max_n: int,
 ) -> None:
     """Greedy verdict of a round from the target's tokens ([B * (1 + k)], the argmax of each row): writes the
     rows' tokens and accepted counts into round ``round_index`` of ``out_tokens`` [R, B, 1 + k] and
     ``out_accepted`` [R, B] (contiguous), appends to ``history`` and advances ``lens``, and replaces ``drafts``
-    [B, k] with the next round's lookup (padded with the last token, as ``ngram_drafts_on_device``)."""
+    [B, k] with the next round's lookup (padded with the last token, as ``ngram_drafts_on_device``), whose
+    real guesses it counts in row ``round_index + 1`` of ``out_drafted`` [R + 1, B]."""
     batch, k = drafts.shape
     _round_verdict_kernel[(batch,)](
-        target, history, lens, drafts, out_tokens, out_accepted, history.stride(0), drafts.stride(0), round_index,
+        target, history, lens, drafts, out_tokens, out_accepted, out_drafted, history.stride(0), drafts.stride(0),
+        round_index,
         K=k, BLOCK=triton.next_power_of_2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_E=BLOCK_POSITIONS,
     )
