@@ -269,20 +269,13 @@ class ModelRunner:
         step = LaunchedStep(result=StepResult(step_id=plan.step_id, request_errors=errors), started=started)
         if chained:
             step.num_rounds, step.num_drafts = next(iter(chained.values()))
-            step.scheduled = scheduled
-            try:
-                self._launch_rounds(step, drafts)
-            except Exception as exc:  # a failed forward fails its batch, not the executor
-                step.error = f"step failed: {type(exc).__name__}: {exc}"
-            self._spent("launch", started, cpu)
-            return step
-        # Context work (several tokens of one query) is packed before generation work and draft chains.
-        if drafts or any(item[2] != 1 for item in scheduled):
+        elif drafts or any(item[2] != 1 for item in scheduled):
+            # Context work (several tokens of one query) is packed before generation work and draft chains.
             scheduled.sort(key=lambda item: item[2] == 1 or item[0] in drafts)
         step.scheduled = scheduled
         if scheduled:
             try:
-                self._launch(step, drafts)
+                (self._launch_rounds if chained else self._launch)(step, drafts)
             except Exception as exc:  # a failed forward fails its batch, not the executor
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
         self._spent("launch", started, cpu)
