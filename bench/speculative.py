@@ -8,6 +8,9 @@ and reports output tokens/s with each mode against none, the mean accepted
 length (tokens a request gets per step) and acceptance by draft position.
 Batch N submits N requests at once (EOS ignored, fixed length) and compares
 output tokens/s: the load-aware draft length must keep it from dropping.
+Plain decoding alone varies by tens of percent between back-to-back runs of a
+few hundred milliseconds, so ``--cycles C`` measures every mode C times in
+turn and reports each cycle's speedup and their median.
 Mode ``ngram`` chains up to ``--speculative-rounds`` verification rounds per
 step on the device; ``ngram_one_round`` verifies one round per step, for
 comparison.
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -247,9 +251,17 @@ def run_generate(args) -> dict:
             await async_engine.stop()
         return out
 
+    # Output tokens/s per cycle, mode and batch: every cycle measures every mode again, in turn, so
+    # drift of the machine within a run reaches all modes alike (the first cycle's details are kept).
+    by_cycle: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+
     async def main() -> None:
-        for mode in args.modes:
-            report["modes"][mode] = await measure(mode)
+        for cycle in range(args.cycles):
+            for mode in args.modes:
+                result = await measure(mode)
+                by_cycle[mode].append({key: res["output_tokens_per_s"] for key, res in result.items()})
+                if cycle == 0:
+                    report["modes"][mode] = result
 
     asyncio.run(main())
     plain = report["modes"].get("none")
@@ -259,6 +271,15 @@ def run_generate(args) -> dict:
             res["batch1"]["same_tokens_as_none"] = res["batch1"]["outputs"] == plain["batch1"]["outputs"]
             for key in [k for k in res if k.startswith("batch") and k != "batch1"]:
                 res[key]["speedup"] = res[key]["output_tokens_per_s"] / plain[key]["output_tokens_per_s"]
+            if args.cycles > 1:
+                for key in [k for k in res if k.startswith("batch")]:
+                    ratios = [c[key] / p[key] for c, p in zip(by_cycle[mode], by_cycle["none"])]
+                    res[key]["cycles"] = {
+                        "output_tokens_per_s": [c[key] for c in by_cycle[mode]], "speedup": ratios,
+                        "median_speedup": statistics.median(ratios),
+                    }
+                    log(f"{mode}: {key} speedup by cycle {', '.join(f'{r:.3f}' for r in ratios)} "
+                        f"(median {statistics.median(ratios):.3f})")
     for res in report["modes"].values():
         res["batch1"].pop("outputs")
     return report
@@ -379,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     add_model_source_args(gen)
     gen.add_argument("--engine-dir", default=None, help="use this engine folder instead of building one")
     gen.add_argument("--modes", default="none,ngram", type=lambda s: s.split(","))
+    gen.add_argument("--cycles", type=int, default=1,
+                     help="measure every mode this many times, in turn, and report each speedup's spread and median")
     gen.add_argument("--prompts", default="grounded", choices=["grounded", "chat"])
     gen.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts of the set (0 = all)")
     gen.add_argument("--max-tokens", type=int, default=256, help="batch 1: most output tokens (EOS ends earlier)")
