@@ -61,15 +61,13 @@ class RoundsOutput:
 
     @classmethod
     def empty(cls, num_rounds: int, requests: Sequence[RoundsRequest], k: int, device: torch.device) -> RoundsOutput:
-        drafted = torch.empty((num_rounds + 1, len(requests)), dtype=torch.int64)
-        drafted[0] = torch.tensor([min(len(r.drafts), k) for r in requests], dtype=torch.int64)
+        drafted = torch.empty((num_rounds + 1, len(requests)), dtype=torch.int64, device=device)
+        drafted[0].copy_(to_device([min(len(r.drafts), k) for r in requests], torch.int64, device))
         return cls(
             tokens=torch.empty((num_rounds, len(requests), k + 1), dtype=torch.int64, device=device),
             accepted=torch.empty((num_rounds, len(requests)), dtype=torch.int64, device=device),
-            drafted=drafted.to(device),
+            drafted=drafted,
         )
-
-
 
 
 def _round_inputs(
