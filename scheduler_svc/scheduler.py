@@ -37,11 +37,13 @@ are simply written again by the next step. How long k is follows the load
 (``speculation.py``). Speculation needs each step's result before the next
 plan, so it runs without overlapped scheduling (which comes back while the
 load keeps speculation off). What overlap would hide, the round trip between
-one verification and the next, chained rounds hide instead: when every running
-request verifies drafts and none waits, a step may run up to
-``max_speculative_rounds`` rounds of k drafts, the executor drafting the later
-ones on the device; the step computes R * (1 + k) tokens per request, and the
-result moves ``num_computed_tokens`` back past what the rounds did not emit.
+one verification and the next, chained rounds hide instead: when none waits and
+every running request is in generation (``_chainable``), a step may run up to
+``max_speculative_rounds`` rounds of k drafts for every request, the executor
+looking up the later rounds' drafts on the device (and the first round's too,
+for a request the host had none for); the step computes R * (1 + k) tokens per
+request, and the result moves ``num_computed_tokens`` back past what the rounds
+did not emit.
 """
 
 from __future__ import annotations
