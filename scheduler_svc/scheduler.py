@@ -40,8 +40,8 @@ load keeps speculation off). What overlap would hide, the round trip between
 one verification and the next, chained rounds hide instead: when none waits and
 every running request is in generation (``_chainable``), a step may run up to
 ``max_speculative_rounds`` rounds of k drafts for every request, the executor
-looking up the later rounds' drafts on the device (and the first round's too,
-for a request the host had none for); the step computes R * (1 + k) tokens per
+looking up the later rounds' drafts on the device (a request the host had no
+drafts for starts from padding); the step computes R * (1 + k) tokens per
 request, and the result moves ``num_computed_tokens`` back past what the rounds
 did not emit.
 """
