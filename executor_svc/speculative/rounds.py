@@ -146,9 +146,12 @@ class RoundsRunner:
         return self._run_eager(requests, num_drafts, num_rounds, max_context)
 
     def _initial(
-        self, requests: Sequence[RoundsRequest], k: int, history_width: int, table_width: int,
+        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, table_width: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # history, lens, drafts, tables
+        """The rounds' state on the device: each request's tokens (with room for every round's rows past the
+        longest), their lengths, the first round's drafts (padded to k) and the block tables."""
         device = self.kv_cache.device
+        history_width = max(len(r.token_ids) for r in requests) + num_rounds * (k + 1) + 1
         history = torch.full((len(requests), history_width), -1, dtype=torch.int64)
         for i, r in enumerate(requests):
             history[i, : len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.int64)
@@ -163,8 +166,7 @@ class RoundsRunner:
     def _run_eager(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, max_context: int) -> RoundsOutput:
         device = self.kv_cache.device
         batch, rows_per_request = len(requests), k + 1
-        width = max(len(r.token_ids) for r in requests) + num_rounds * rows_per_request + 1
-        history, lens, drafts, tables = self._initial(requests, k, width, max(len(r.block_table) for r in requests))
+        history, lens, drafts, tables = self._initial(requests, k, num_rounds, max(len(r.block_table) for r in requests))
         row_states = [r.sampling for r in requests for _ in range(rows_per_request)]
         row_tables = tables.repeat_interleave(rows_per_request, dim=0)
         no_draft = torch.full((batch, 1), NO_DRAFT, dtype=torch.int64, device=device)
@@ -192,8 +194,7 @@ class RoundsRunner:
 
         graphs, device = self.graphs, self.kv_cache.device
         num_requests, rows = len(requests), len(requests) * (k + 1)
-        history_width = max(len(r.token_ids) for r in requests) + num_rounds * (k + 1) + 1
-        history, lens, drafts, tables = self._initial(requests, k, history_width, width)
+        history, lens, drafts, tables = self._initial(requests, k, num_rounds, width)
         graphs.bind_tables(batch, width, tables.repeat_interleave(k + 1, dim=0))
         target = torch.empty(rows, dtype=torch.int64, device=device)
         out = RoundsOutput.empty(num_rounds, requests, k, device)
