@@ -156,6 +156,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         "load_s": time.perf_counter() - t0, "num_kv_blocks": engine.num_kv_blocks, "tokens_per_block": engine.tokens_per_block,
         "kernels": {k: c.name for k, c in engine.manifest.plugins.items()},
         "kernel_timings_us": {k: c.timings_us for k, c in engine.manifest.plugins.items()},
+        "kernel_tactics": {k: c.tactics for k, c in engine.manifest.plugins.items() if c.tactics},
         "cuda_graphs": engine.decode_graphs is not None,
         "max_batch_size": engine.max_batch_size, "max_num_tokens": engine.max_num_tokens, "max_seq_len": engine.max_seq_len,
     }

@@ -28,7 +28,7 @@ from executor_svc.build_config import BuildConfig, BuildConfigError
 from executor_svc.engine_file import (
     WEIGHTS_NAME, DeviceSignature, EngineManifest, copy_tokenizer_files, is_engine_dir, library_versions, write_manifest,
 )
-from executor_svc.kernel_selection import select_plugins
+from executor_svc.kernel_selection import apply_tactics, select_plugins
 from executor_svc.model.config import ModelConfig
 from executor_svc.engine import DTYPES, resolve_device
 from executor_svc.model.registry import architecture_for, build_model
@@ -72,6 +72,7 @@ def build_engine(
         bar.set_postfix_str(steps[0])
         plugins = select_plugins(model_config, build, target, dtype)
         plugins.update(select_quant_plugins(model_config, build, target, dtype))
+        apply_tactics(plugins)
         bar.update()
         bar.set_postfix_str(steps[1])
         model = build_model(model_config, max_seq_len, {k: c.name for k, c in plugins.items()}, target, dtype)

@@ -23,6 +23,7 @@ from torch import nn
 
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.engine_file import WEIGHTS_NAME, EngineManifest, check_device, read_manifest
+from executor_svc.kernel_selection import apply_tactics
 from executor_svc.kv_offload import KVOffload
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
@@ -118,6 +119,7 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
     check_device(manifest, device, engine_dir)
     dtype = DTYPES[manifest.dtype]
     model_config = manifest.model
+    apply_tactics(manifest.plugins)
     model = build_model(model_config, manifest.max_seq_len, {k: c.name for k, c in manifest.plugins.items()}, device, dtype)
     if manifest.load_format == "dummy":
         init_dummy_weights(model)

@@ -72,6 +72,8 @@ class PluginChoice:
     fallback: bool = False  # requested implementation could not run; reference used instead
     note: str = ""
     benchmark: str = ""  # the shapes the candidates were timed on
+    # Per weight shape ("NxK"), the variant the chosen kernel runs, where it has several (timed at build).
+    tactics: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

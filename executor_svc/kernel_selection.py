@@ -29,13 +29,15 @@ from plugins.registry import KernelSpec, list_kernels
 log = logging.getLogger("inflight.build")
 
 REFERENCE = "torch"
-BenchArgs = Callable[[], tuple]
+GEMV = "triton_gemv"  # plugins/gemm_decode.py: per-shape tactics, timed here at build
+# The arguments of one call, or of several calls timed together (their times add up).
+BenchArgs = Callable[[], tuple | list[tuple]]
 
 BENCHMARKS = {
     "rmsnorm": "x[{tokens}, hidden] + residual",
     "rope": "q, k rotated + k, v written to the KV cache, {tokens} tokens",
     "activation": "[{tokens}, 2 x intermediate]",
-    "gemm": "qkv projection, {tokens} tokens",
+    "gemm": "a layer's projections (qkv, o, gate_up, down) at 1 token, then qkv at {tokens} tokens",
     "attention": "generation step, 16 requests x 512 cached tokens",
 }
 
@@ -75,11 +77,21 @@ def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: 
         x = randn(tokens, 2 * model.intermediate_size)
         return lambda: (x,)
     if kind == "gemm":
-        x, w = randn(tokens, hidden), randn(heads * dim + 2 * kv_heads * dim, hidden)
-        return lambda: (x, w)
+        # A batch-1 decode step's layer (each weight read once: what GEMV kernels are for), then a
+        # context chunk's qkv projection (what tensor-core tiles are for).
+        calls = [(randn(1, k), randn(n, k)) for n, k in linear_shapes(model)[:4]]
+        calls.append((randn(tokens, hidden), calls[0][1]))
+        return lambda: calls
     if kind == "attention":
         return _attention_inputs(build, heads, kv_heads, dim, randn, kv_randn, device)
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
+    """(N, K) of a decoder layer's fused projections (qkv, o, gate_up, down), then of the LM head."""
+    hidden, q_size, kv_size = model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return [(q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * model.intermediate_size, hidden),
+            (hidden, model.intermediate_size), (model.vocab_size, hidden)]
 
 
 def _attention_inputs(
@@ -111,20 +123,26 @@ def time_kernel(fn: Callable, args: BenchArgs, device: torch.device, repeats: in
     counts. A call that cannot be captured is timed by CUDA events around 20
     back-to-back calls instead. On the CPU: the median wall time of one call.
     """
-    call_args = args()
+    made = args()
+    arg_sets = made if isinstance(made, list) else [made]
+
+    def run() -> None:
+        for call_args in arg_sets:
+            fn(*call_args)
+
     for _ in range(2):  # warm-up: compiles and autotunes outside any measurement
-        fn(*call_args)
+        run()
     if device.type == "cuda":
-        return _time_on_gpu(fn, call_args, device, repeats)
+        return _time_on_gpu(run, device, repeats)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(*call_args)
+        run()
         samples.append((time.perf_counter() - start) * 1e6)
     return statistics.median(samples)
 
 
-def _time_on_gpu(fn: Callable, call_args: tuple, device: torch.device, repeats: int, calls: int = 20) -> float:
+def _time_on_gpu(run: Callable[[], None], device: torch.device, repeats: int, calls: int = 20) -> float:
     torch.cuda.synchronize(device)
     graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
     try:
@@ -132,7 +150,7 @@ def _time_on_gpu(fn: Callable, call_args: tuple, device: torch.device, repeats: 
         with torch.cuda.stream(stream):
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(calls):
-                    fn(*call_args)
+                    run()
         torch.cuda.synchronize(device)
     except Exception:  # noqa: BLE001 - not capturable (host reads, allocations): time it eagerly
         graph = None
@@ -145,7 +163,7 @@ def _time_on_gpu(fn: Callable, call_args: tuple, device: torch.device, repeats: 
             graph.replay()
         else:
             for _ in range(calls):
-                fn(*call_args)
+                run()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / calls)
@@ -191,13 +209,44 @@ def choose(
     return PluginChoice(name=best, requested="auto", timings_us=timings, note="; ".join(refused))
 
 
+def _tune_tactics(
+    kind: str, requested: str, candidates: list[KernelSpec], model: ModelConfig, device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, dict[str, str]]:
+    """Per-shape variants of the candidates that have them, timed on the model's weight shapes before the
+    candidates are timed against each other: candidate -> {"NxK": variant}."""
+    if kind != "gemm" or requested not in ("auto", GEMV):
+        return {}
+    if not any(c.name == GEMV and c.supports(device, dtype) for c in candidates):
+        return {}
+    from plugins.gemm_decode import tune_tactics
+
+    report = tune_tactics(linear_shapes(model), device, dtype)
+    for key, entry in report.items():
+        log.info("gemm %s at 1 row: %s (%s)", key, entry["tactic"],
+                 ", ".join(f"{n} {t:.1f} us" for n, t in entry["timings_us"].items()))
+    return {GEMV: {key: entry["tactic"] for key, entry in report.items()}}
+
+
+def apply_tactics(plugins: dict[str, PluginChoice]) -> None:
+    """Install the per-shape variants an engine's chosen kernels were built with (before they run)."""
+    gemm = plugins.get("gemm")
+    if gemm is not None and gemm.name == GEMV and gemm.tactics:
+        from plugins.gemm_decode import set_tactics
+
+        set_tactics(gemm.tactics)
+
+
 def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> dict[str, PluginChoice]:
     registered = list_kernels()
     choices = {}
     for kind in PLUGIN_KINDS:
         candidates = [spec for spec in registered if spec.kind == kind]
+        tactics = _tune_tactics(kind, build.plugin_for(kind), candidates, model, device, dtype)
         args = benchmark_inputs(kind, model, build, device, dtype)
         choices[kind] = choose(kind, build.plugin_for(kind), candidates, device, dtype, args, build.allow_fallback)
+        if choices[kind].name in tactics:
+            choices[kind].tactics = tactics[choices[kind].name]
         choices[kind].benchmark = BENCHMARKS[kind].format(tokens=min(build.max_num_tokens, 256))
         log.info("%s: %s (%s)", kind, choices[kind].name, ", ".join(f"{n} {t:.0f} us" for n, t in choices[kind].timings_us.items()))
     return choices

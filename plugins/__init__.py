@@ -20,11 +20,12 @@ from plugins import quant_gemm_triton as _quant_gemm_triton  # noqa: F401,E402
 from plugins import rope_torch as _rope_torch  # noqa: F401,E402
 from plugins import rope_triton as _rope_triton  # noqa: F401,E402
 
-try:  # the small-M quantized GEMMs are Triton throughout: without it they are simply not registered
+try:  # the small-M GEMMs (16-bit and quantized) are Triton throughout: without it they are simply not registered
     import triton as _triton  # noqa: F401
 except ImportError:
     _triton = None
 if _triton is not None:
+    from plugins import gemm_decode as _gemm_decode  # noqa: F401,E402
     from plugins import quant_gemm_decode as _quant_gemm_decode  # noqa: F401,E402
 
 __all__ = ["KernelSpec", "get_kernel", "list_kernels", "register_kernel"]

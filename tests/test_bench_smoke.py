@@ -92,3 +92,20 @@ def test_wire_cost_smoke(tmp_path: Path) -> None:
     assert set(row["ms"]) == {"scheduler_plan_to_bytes", "executor_bytes_to_plan", "executor_result_to_bytes",
                               "scheduler_bytes_to_result"}
     assert row["bytes"]["plan"] > 0 and row["bytes"]["result"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_dense_gemv_smoke(tmp_path: Path) -> None:
+    """bench/dense_gemv.py on tiny shapes through Triton's interpreter: cuBLAS and the GEMV agree, all reported."""
+    out = tmp_path / "dense_gemv.json"
+    cmd = [sys.executable, str(REPO / "bench" / "dense_gemv.py"), "--device", "cpu", "--smoke", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+
+    result = json.loads(out.read_text())
+    assert set(result["best"]) == {"qkv rows 1", "qkv rows 2", "down rows 1", "down rows 2"}
+    for entry in result["best"].values():
+        assert entry["cublas_us"] > 0 and entry["gemv_best_us"] > 0 and entry["gemv_default_us"] > 0
+    for row in result["results"]:
+        assert row["max_rel_diff"] < 1e-5, row

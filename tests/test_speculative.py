@@ -61,6 +61,29 @@ def test_ngram_index_grows_with_the_request_and_agrees_with_a_fresh_one():
         assert grown.propose(tokens[:length], 4) == NgramIndex(2, 4).propose(tokens[:length], 4)
 
 
+def test_ngram_lookup_matches_whole_tokens_only():
+    """Tokens are searched as bytes: a byte match that straddles tokens must not count."""
+    import random
+
+    def brute_force(tokens, k, min_n, max_n):  # the latest earlier occurrence of the longest suffix
+        for n in range(min(max_n, len(tokens)), min_n - 1, -1):
+            for end in range(len(tokens) - 2, n - 2, -1):
+                if tokens[end - n + 1 : end + 1] == tokens[-n:]:
+                    return tokens[end + 1 : end + 1 + k]
+        return []
+
+    # 1 and 256 share bytes with 65536 + 1 = 0x00010001 and 16777216 at shifted offsets.
+    assert NgramIndex(1, 1).propose([65537, 1, 256], 2) == []
+    rng = random.Random(3)
+    alphabet = [0, 1, 256, 257, 65536, 65537, 16777216, 16843009]
+    for _ in range(500):
+        min_n, max_n = rng.choice([(1, 2), (1, 3), (2, 4)])
+        index, tokens = NgramIndex(min_n, max_n), []
+        for _ in range(rng.randint(1, 30)):
+            tokens.append(rng.choice(alphabet))
+            assert index.propose(tokens, 3) == brute_force(tokens, 3, min_n, max_n), tokens
+
+
 # -- verification ----------------------------------------------------------------
 
 

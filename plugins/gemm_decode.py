@@ -1,0 +1,236 @@
+"""16-bit GEMV for decode-sized batches: ``x[M, K] @ W[N, K].T`` with M of 1 or 2, in Triton.
+
+A batch-1 decode step reads every weight once and does two FLOPs per weight,
+so a GEMM there is a read of the weight, and the only question is how close
+to HBM bandwidth it streams. cuBLAS picks tensor-core tiles of 8 or more rows
+for these shapes and, for the narrow layers (Llama-3.1-8B's o and qkv
+projections), a split-K launch followed by a separate reduction kernel; on an
+H200 those layers read at about 72% of the copy bandwidth.
+
+The kernel here is the weight-only GEMV of plugins/quant_gemm_decode_kernels.py
+without the dequantization: each program streams a [BLOCK_N, BLOCK_K] tile of
+the weight per step (16-byte loads along K), keeps a float32 accumulator of the
+tile's shape so the cross-thread sum over K happens once per program instead of
+once per step, and K is split across programs whenever the output tiles alone
+would leave SMs idle. The split partials are added by the program that
+arrives last (an atomic counter per tile), so there is no reduction kernel.
+
+A SwiGLU MLP's down projection can take the [gate | up] projection itself
+(``gated``): each program computes SiLU(gate) * up for its slice of K as it
+reads it, so a batch-1 layer runs no activation kernel.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from plugins.quant_gemm_decode import _launch, num_sms
+from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
+from plugins.quant_gemm_decode_kernels import _load_words, _write_tile
+from plugins.registry import register_kernel
+
+MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
+
+
+@triton.jit
+def _load_row(row_ptr, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """Channels ``k`` of one activation row as float32 (0 past K). GATED: the row is [gate | up] (2K wide)
+    and the value is SiLU(gate) * up, rounded to the row's dtype as the activation kernel rounds it."""
+    if EVEN_K:
+        x = tl.load(row_ptr + k).to(tl.float32)
+    else:
+        x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    if GATED:
+        if EVEN_K:
+            up = tl.load(row_ptr + K + k).to(tl.float32)
+        else:
+            up = tl.load(row_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(row_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
+    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr,
+):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    w_rows = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    w = _load_words(w_rows, first * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    # Row 0's products are summed over K once, after the loop; a second row (ROWS 2) keeps its own.
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in range(first, last):
+        if PREFETCH:  # request the next step's weights before using this step's (the last re-requests its own)
+            current = w
+            w = _load_words(w_rows, tl.minimum(step + 1, last - 1) * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+        else:
+            current = _load_words(w_rows, step * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+        k = step * BLOCK_K + rk
+        w32 = current.to(tl.float32)
+        acc0 += w32 * _load_row(x_ptr, k, K, EVEN_K, GATED)[None, :]
+        if ROWS == 2:
+            acc1 += w32 * _load_row(x_ptr + stride_xm, k, K, EVEN_K, GATED)[None, :]
+    acc = tl.where(rm[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if ROWS == 2:
+        acc += tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+    _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+
+
+def _config(block_n: int, block_k: int, num_warps: int) -> DecodeConfig:
+    # num_stages 1: no prefetch across the loop; it measured slower for 16-bit weights on an H200.
+    return DecodeConfig(fma=True, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=1)
+
+
+# The tactics a build times per weight shape (bench/dense_gemv.py sweeps the wider grid these come
+# from); the first is what an untimed shape runs.
+TACTICS = {
+    "n32 k256 w4": _config(32, 256, 4),
+    "n32 k128 w4": _config(32, 128, 4),
+    "n16 k128 w8": _config(16, 128, 8),
+    "n16 k256 w4": _config(16, 256, 4),
+}
+CUBLAS = "cublas"
+DEFAULT_CONFIG = next(iter(TACTICS.values()))
+
+
+def dense_gemv(
+    x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | None = None, gated: bool = False
+) -> torch.Tensor:
+    """x [M, K] (M <= 2), weight [N, K] in x's dtype -> [M, N] in x's dtype.
+
+    ``gated``: x is a fused [gate | up] projection [M, 2K] and the GEMV multiplies SiLU(gate) * up,
+    computed as it is read (a SwiGLU MLP's down projection without the activation kernel).
+    ``config`` overrides the default tiles (split_k 0: chosen from the SM count).
+    """
+    width = 2 * weight.shape[-1] if gated else weight.shape[-1]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"dense_gemv takes x [M, {'2K' if gated else 'K'}] and weight [N, K], "
+                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape[0], weight.shape[1]
+    if m > MAX_ROWS:
+        raise ValueError(f"dense_gemv takes at most {MAX_ROWS} rows, got {m}")
+    if weight.stride(1) != 1:
+        raise ValueError("dense_gemv needs a weight with unit stride along K")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    config = resolve_split(config or DEFAULT_CONFIG, m, n, k, num_sms(x.device))
+    return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),), GATED=gated)
+
+
+# -- per-shape tactics: chosen by timing at build, recorded in the engine, set again at load --------
+
+# (N, K) -> tactic name: one process-wide table, like a GEMM library's heuristic cache, because a
+# weight's shape is all the kernel is called with. Shapes not in it run DEFAULT_CONFIG.
+_tactics: dict[tuple[int, int], str] = {}
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
+
+
+def set_tactics(tactics: dict[str, str]) -> None:
+    """Install per-shape tactics (``shape_key`` -> a TACTICS name or ``CUBLAS``), e.g. from an engine."""
+    parsed = {}
+    for key, name in tactics.items():
+        if name != CUBLAS and name not in TACTICS:
+            raise ValueError(f"unknown GEMV tactic {name!r} for {key}; known: {[CUBLAS, *TACTICS]}")
+        n, k = (int(v) for v in key.split("x"))
+        parsed[(n, k)] = name
+    _tactics.update(parsed)
+
+
+def graph_time_us(calls: list[Callable[[], object]], device: torch.device, repeats: int = 10) -> float:
+    """GPU time per call of ``calls`` run back to back from one CUDA graph (median of ``repeats`` replays).
+
+    Give calls that read different copies of a weight, more of them than L2 holds, to time what a
+    decode step sees: every weight read from HBM, and the graph's gaps between kernels.
+    """
+    for call in calls[:2]:  # compile outside the capture
+        call()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
+    return statistics.median(samples)
+
+
+TUNE_BYTES = 256 << 20  # weight copies a shape is timed over: well past an H200's 60 MB of L2
+
+
+def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
+    """Time cuBLAS and every tactic at one row on each (N, K) weight shape; install and return the fastest.
+
+    Returns ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    report = {}
+    for n, k in dict.fromkeys(shapes):
+        copies = max(1, -(-TUNE_BYTES // (2 * n * k)))
+        weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) for _ in range(copies)]
+        x = torch.randn(1, k, generator=gen, device=device, dtype=dtype)
+        reps = max(1, 8 // copies)  # at least 8 calls a graph
+        timings = {CUBLAS: graph_time_us([lambda w=w: F.linear(x, w) for w in weights] * reps, device)}
+        for name, config in TACTICS.items():
+            timings[name] = graph_time_us([lambda w=w, c=config: dense_gemv(x, w, c) for w in weights] * reps, device)
+        best = min(timings, key=timings.__getitem__)
+        report[shape_key(n, k)] = {"tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()}}
+        del weights
+    set_tactics({key: entry["tactic"] for key, entry in report.items()})
+    return report
+
+
+@register_kernel(
+    "gemm", "triton_gemv", device_types=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
+    description="Triton split-K GEMV at one row (per-shape tactic timed at build), torch F.linear otherwise",
+)
+def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    config = _gemv_config(x, weight) if bias is None else None
+    return dense_gemv(x, weight, config) if config is not None else F.linear(x, weight, bias)
+
+
+def gated_linear_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``linear_gemv(SiLU(gate) * up, weight)`` in one kernel for one row [1, 2K]; None where the GEMV
+    does not run (more rows, or a shape timed faster on cuBLAS): the caller activates, then multiplies."""
+    config = _gemv_config(gate_up, weight)
+    return dense_gemv(gate_up, weight, config, gated=True) if config is not None else None
+
+
+linear_gemv.gated = gated_linear_gemv  # type: ignore[attr-defined]  # what the model's down projection looks for
+
+
+def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> DecodeConfig | None:
+    """The tiles for one row times ``weight``, or None when F.linear should run."""
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype:
+        return None
+    tactic = _tactics.get((weight.shape[0], weight.shape[1]))
+    if tactic == CUBLAS:
+        return None
+    return TACTICS[tactic] if tactic else DEFAULT_CONFIG

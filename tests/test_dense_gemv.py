@@ -1,0 +1,165 @@
+"""The 16-bit decode GEMV (plugins/gemm_decode.py) against torch, and its per-shape tactics.
+
+Under Triton's CPU interpreter in float32 and float16 on small odd shapes (N
+and K off the tiles, K split or not); on a GPU (INFLIGHT_TEST_DEVICE=cuda)
+also bfloat16 on Llama-3.1-8B's shapes and inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor_svc.engine_file import PluginChoice
+from executor_svc.kernel_selection import GEMV, apply_tactics, benchmark_inputs, linear_shapes
+from plugins.quant_gemm_decode_config import DecodeConfig
+from tests.conftest import TEST_DEVICE
+
+gemv = pytest.importorskip("plugins.gemm_decode")
+
+DEVICE = torch.device(TEST_DEVICE)
+ON_GPU = TEST_DEVICE == "cuda"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _operands(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEVICE, dtype)
+    return x, w
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    expected = F.linear(x.float(), w.float())
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.float(), expected, atol=TOL[x.dtype] * scale, rtol=TOL[x.dtype])
+
+
+# (rows, N, K, config): N and K off the tiles, split-K with an uneven last split, unsplit.
+CASES = [
+    (1, 40, 200, gemv.TACTICS["n16 k128 w8"]),  # K = 200: masked last step
+    (1, 96, 512, gemv.TACTICS["n32 k128 w4"]),  # split-K from the SM count
+    (2, 72, 384, gemv.TACTICS["n32 k128 w4"]),
+    (1, 33, 640, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=3, num_stages=1)),  # 5 steps, 3 splits
+    (2, 64, 256, DecodeConfig(fma=True, block_n=32, block_k=64, split_k=1, num_stages=2)),  # unsplit, prefetch
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n,k,config", CASES)
+def test_gemv_matches_torch(rows, n, k, config, dtype):
+    x, w = _operands(rows, n, k, dtype)
+    _check(gemv.dense_gemv(x, w, config), x, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n,k,config", CASES[:3])
+def test_gated_gemv_is_the_activation_kernel_then_the_gemv(rows, n, k, config, dtype):
+    """SiLU(gate) * up computed while reading x gives exactly what the activation kernel's output gives."""
+    from plugins.activation_triton import act_and_mul_triton
+
+    gate_up = torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype) * 3
+    _, w = _operands(rows, n, k, dtype)
+    fused = gemv.dense_gemv(gate_up, w, config, gated=True)
+    assert torch.equal(fused, gemv.dense_gemv(act_and_mul_triton(gate_up), w, config))
+
+
+def test_down_projection_fuses_the_gate_only_where_the_gemm_can():
+    from executor_svc.model.llama import Linear, gated_down_proj
+    from plugins.activation_torch import act_and_mul
+    from plugins.kernels import Kernels
+
+    kernels = Kernels.reference(DEVICE, torch.float32)
+    down = Linear(24, 16, kernels).to(DEVICE)
+    torch.nn.init.normal_(down.weight)
+    gate_up = torch.randn(1, 48, device=DEVICE)
+    expected = down(act_and_mul(gate_up, "silu"))
+    torch.testing.assert_close(gated_down_proj(down, gate_up, act_and_mul, "silu"), expected)  # torch: unfused
+    down.kernel = gemv.linear_gemv  # the GEMV plugin: fused at one row
+    calls = []
+    original = gemv.dense_gemv
+    try:
+        gemv.dense_gemv = lambda *a, **kw: calls.append(kw.get("gated")) or original(*a, **kw)
+        torch.testing.assert_close(gated_down_proj(down, gate_up, act_and_mul, "silu"), expected, rtol=1e-5, atol=1e-5)
+        assert calls == [True]
+        gated_down_proj(down, gate_up, act_and_mul, "gelu_tanh")  # another activation: activate first
+        gated_down_proj(down, torch.cat([gate_up, gate_up]), act_and_mul, "silu")  # two rows: F.linear
+        assert calls == [True, None]
+    finally:
+        gemv.dense_gemv = original
+
+
+def test_gemv_refuses_what_it_cannot_compute():
+    x, w = _operands(3, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="at most 2 rows"):
+        gemv.dense_gemv(x, w)
+    with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
+        gemv.dense_gemv(x[:1], w[:, :8])
+    with pytest.raises(ValueError, match="x \\[M, 2K\\]"):
+        gemv.dense_gemv(x[:1], w, gated=True)
+    with pytest.raises(ValueError, match="unit stride"):
+        gemv.dense_gemv(x[:1, :8], w.t())
+
+
+def test_tactics_route_each_shape():
+    """A shape set to cuBLAS runs F.linear, a named tactic runs the GEMV with its tiles; more rows run F.linear."""
+    x, w = _operands(1, 48, 256, torch.float32)
+    calls = []
+    original = gemv.dense_gemv
+    try:
+        gemv.dense_gemv = lambda x, w, config=None: calls.append(config) or original(x, w, config)
+        gemv.set_tactics({gemv.shape_key(48, 256): "n16 k128 w8"})
+        _check(gemv.linear_gemv(x, w), x, w)
+        assert calls == [gemv.TACTICS["n16 k128 w8"]]
+        gemv.set_tactics({gemv.shape_key(48, 256): gemv.CUBLAS})
+        _check(gemv.linear_gemv(x, w), x, w)
+        x2 = torch.cat([x, x])
+        _check(gemv.linear_gemv(x2, w), x2, w)
+        assert len(calls) == 1
+    finally:
+        gemv.dense_gemv = original
+        gemv._tactics.pop((48, 256), None)
+    with pytest.raises(ValueError, match="unknown GEMV tactic"):
+        gemv.set_tactics({"8x8": "fastest"})
+
+
+def test_engine_tactics_are_installed_at_load():
+    choice = PluginChoice(name=GEMV, requested="auto", tactics={"24x16": "n32 k128 w4"})
+    try:
+        apply_tactics({"gemm": choice})
+        assert gemv._tactics[(24, 16)] == "n32 k128 w4"
+    finally:
+        gemv._tactics.pop((24, 16), None)
+
+
+def test_gemm_selection_times_a_decode_layer_and_a_context_chunk():
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.model.config import ModelConfig
+
+    model = ModelConfig(
+        name="tiny", architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=48,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4,
+        rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=False,
+    )
+    assert linear_shapes(model) == [(64, 32), (32, 32), (96, 32), (32, 48), (64, 32)]
+    calls = benchmark_inputs("gemm", model, BuildConfig(max_num_tokens=64), torch.device("cpu"), torch.float32)()
+    assert [tuple(w.shape) for _, w in calls] == [(64, 32), (32, 32), (96, 32), (32, 48), (64, 32)]
+    assert [x.shape[0] for x, _ in calls] == [1, 1, 1, 1, 64]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Llama-3.1-8B shapes in bfloat16 and CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", list(gemv.TACTICS))
+def test_llama_shapes_in_a_cuda_graph(name):
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        x, w = _operands(1, n, k, torch.bfloat16)
+        gemv.dense_gemv(x, w, gemv.TACTICS[name])  # outside capture first: the split-K counters exist
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv.dense_gemv(x, w, gemv.TACTICS[name])
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, w)
