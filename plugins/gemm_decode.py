@@ -14,10 +14,6 @@ tile's shape so the cross-thread sum over K happens once per program instead of
 once per step, and K is split across programs whenever the output tiles alone
 would leave SMs idle. The split partials are added by the program that
 arrives last (an atomic counter per tile), so there is no reduction kernel.
-
-A SwiGLU MLP's down projection can take the [gate | up] projection itself
-(``gated``): each program computes SiLU(gate) * up for its slice of K as it
-reads it, so a batch-1 layer runs no activation kernel.
 """
 
 from __future__ import annotations
@@ -32,34 +28,17 @@ import triton.language as tl
 
 from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
-from plugins.quant_gemm_decode_kernels import _load_words, _write_tile
+from plugins.quant_gemm_decode_kernels import _load_words, _load_x, _write_tile
 from plugins.registry import register_kernel
 
 MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
 
 
 @triton.jit
-def _load_row(row_ptr, k, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
-    """Channels ``k`` of one activation row as float32 (0 past K). GATED: the row is [gate | up] (2K wide)
-    and the value is SiLU(gate) * up, rounded to the row's dtype as the activation kernel rounds it."""
-    if EVEN_K:
-        x = tl.load(row_ptr + k).to(tl.float32)
-    else:
-        x = tl.load(row_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    if GATED:
-        if EVEN_K:
-            up = tl.load(row_ptr + K + k).to(tl.float32)
-        else:
-            up = tl.load(row_ptr + K + k, mask=k < K, other=0.0).to(tl.float32)
-        x = (x * tl.sigmoid(x) * up).to(row_ptr.dtype.element_ty).to(tl.float32)
-    return x
-
-
-@triton.jit
 def _dense_gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, GATED: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -80,9 +59,9 @@ def _dense_gemv_kernel(
             current = _load_words(w_rows, step * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
         k = step * BLOCK_K + rk
         w32 = current.to(tl.float32)
-        acc0 += w32 * _load_row(x_ptr, k, K, EVEN_K, GATED)[None, :]
+        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
         if ROWS == 2:
-            acc1 += w32 * _load_row(x_ptr + stride_xm, k, K, EVEN_K, GATED)[None, :]
+            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
     acc = tl.where(rm[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
     if ROWS == 2:
         acc += tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
@@ -106,20 +85,14 @@ CUBLAS = "cublas"
 DEFAULT_CONFIG = next(iter(TACTICS.values()))
 
 
-def dense_gemv(
-    x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | None = None, gated: bool = False
-) -> torch.Tensor:
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= 2), weight [N, K] in x's dtype -> [M, N] in x's dtype.
 
-    ``gated``: x is a fused [gate | up] projection [M, 2K] and the GEMV multiplies SiLU(gate) * up,
-    computed as it is read (a SwiGLU MLP's down projection without the activation kernel).
     ``config`` overrides the default tiles (split_k 0: chosen from the SM count).
     """
-    width = 2 * weight.shape[-1] if gated else weight.shape[-1]
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != width:
-        raise ValueError(f"dense_gemv takes x [M, {'2K' if gated else 'K'}] and weight [N, K], "
-                         f"got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape[0], weight.shape[1]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"dense_gemv takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"dense_gemv takes at most {MAX_ROWS} rows, got {m}")
     if weight.stride(1) != 1:
@@ -130,7 +103,7 @@ def dense_gemv(
     if m == 0:
         return out
     config = resolve_split(config or DEFAULT_CONFIG, m, n, k, num_sms(x.device))
-    return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),), GATED=gated)
+    return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),))
 
 
 # -- per-shape tactics: chosen by timing at build, recorded in the engine, set again at load --------
@@ -214,16 +187,6 @@ def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: tor
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     config = _gemv_config(x, weight) if bias is None else None
     return dense_gemv(x, weight, config) if config is not None else F.linear(x, weight, bias)
-
-
-def gated_linear_gemv(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``linear_gemv(SiLU(gate) * up, weight)`` in one kernel for one row [1, 2K]; None where the GEMV
-    does not run (more rows, or a shape timed faster on cuBLAS): the caller activates, then multiplies."""
-    config = _gemv_config(gate_up, weight)
-    return dense_gemv(gate_up, weight, config, gated=True) if config is not None else None
-
-
-linear_gemv.gated = gated_linear_gemv  # type: ignore[attr-defined]  # what the model's down projection looks for
 
 
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> DecodeConfig | None:

@@ -55,51 +55,12 @@ def test_gemv_matches_torch(rows, n, k, config, dtype):
     _check(gemv.dense_gemv(x, w, config), x, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,n,k,config", CASES[:3])
-def test_gated_gemv_is_the_activation_kernel_then_the_gemv(rows, n, k, config, dtype):
-    """SiLU(gate) * up computed while reading x gives exactly what the activation kernel's output gives."""
-    from plugins.activation_triton import act_and_mul_triton
-
-    gate_up = torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype) * 3
-    _, w = _operands(rows, n, k, dtype)
-    fused = gemv.dense_gemv(gate_up, w, config, gated=True)
-    assert torch.equal(fused, gemv.dense_gemv(act_and_mul_triton(gate_up), w, config))
-
-
-def test_down_projection_fuses_the_gate_only_where_the_gemm_can():
-    from executor_svc.model.llama import Linear, gated_down_proj
-    from plugins.activation_torch import act_and_mul
-    from plugins.kernels import Kernels
-
-    kernels = Kernels.reference(DEVICE, torch.float32)
-    down = Linear(24, 16, kernels).to(DEVICE)
-    torch.nn.init.normal_(down.weight)
-    gate_up = torch.randn(1, 48, device=DEVICE)
-    expected = down(act_and_mul(gate_up, "silu"))
-    torch.testing.assert_close(gated_down_proj(down, gate_up, act_and_mul, "silu"), expected)  # torch: unfused
-    down.kernel = gemv.linear_gemv  # the GEMV plugin: fused at one row
-    calls = []
-    original = gemv.dense_gemv
-    try:
-        gemv.dense_gemv = lambda *a, **kw: calls.append(kw.get("gated")) or original(*a, **kw)
-        torch.testing.assert_close(gated_down_proj(down, gate_up, act_and_mul, "silu"), expected, rtol=1e-5, atol=1e-5)
-        assert calls == [True]
-        gated_down_proj(down, gate_up, act_and_mul, "gelu_tanh")  # another activation: activate first
-        gated_down_proj(down, torch.cat([gate_up, gate_up]), act_and_mul, "silu")  # two rows: F.linear
-        assert calls == [True, None]
-    finally:
-        gemv.dense_gemv = original
-
-
 def test_gemv_refuses_what_it_cannot_compute():
     x, w = _operands(3, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="at most 2 rows"):
         gemv.dense_gemv(x, w)
     with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
         gemv.dense_gemv(x[:1], w[:, :8])
-    with pytest.raises(ValueError, match="x \\[M, 2K\\]"):
-        gemv.dense_gemv(x[:1], w, gated=True)
     with pytest.raises(ValueError, match="unit stride"):
         gemv.dense_gemv(x[:1, :8], w.t())
 

@@ -48,17 +48,6 @@ class Linear(nn.Module):
         return self.kernel(x, self.weight)
 
 
-def gated_down_proj(down_proj: nn.Module, gate_up: torch.Tensor, act_and_mul, activation: str) -> torch.Tensor:
-    """``down_proj(act_and_mul(gate_up, activation))``; one kernel where the engine's GEMM fuses the SiLU
-    gate into its input (``gemm.gated``, plugins/gemm_decode.py), which it does for a single row."""
-    fused = getattr(down_proj.kernel, "gated", None) if type(down_proj) is Linear and activation == "silu" else None
-    if fused is not None:
-        out = fused(gate_up, down_proj.weight)
-        if out is not None:
-            return out
-    return down_proj(act_and_mul(gate_up, activation))
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions; applied by the rope kernel,
     which also writes the layer's k and v into the paged cache."""
@@ -133,7 +122,7 @@ class DecoderLayer(nn.Module):
             q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.k_scale, self.v_scale
         )
         h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)), residual)
-        return gated_down_proj(self.down_proj, self.gate_up_proj(h), self.act_and_mul, "silu"), residual
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(h), "silu")), residual
 
 
 class LlamaForCausalLM(nn.Module):
