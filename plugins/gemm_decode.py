@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -69,51 +68,6 @@ def _dense_gemv_kernel(
     _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
 
 
-@triton.jit
-def _norm_gemv_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, res_out_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_wn, eps, stride_om, steps_per_split,
-    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """One row: r = x (+ residual), h = norm_w * (r * rsqrt(mean(r^2) + eps)) in x's dtype, out = h @ W.T.
-
-    The arithmetic and roundings are plugins/norm_triton.py's (Llama's RMSNorm). Every program
-    reduces the whole row itself (K values from L2, while its first weights are on their way);
-    the first program also writes r, the next residual.
-    """
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    first = tl.program_id(1) * steps_per_split
-    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
-    n_mask = rn < N
-    w_rows = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    w = _load_words(w_rows, first * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)  # in flight during the norm
-    cols = tl.arange(0, BLOCK_H)
-    c_mask = cols < K
-    row = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
-    if HAS_RESIDUAL:
-        row = row + tl.load(res_ptr + cols, mask=c_mask, other=0.0)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(res_out_ptr + cols, row, mask=c_mask)
-    row32 = row.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(row32 * row32, axis=0) / K + eps)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for step in range(first, last):
-        current = w  # this step's weights were requested a step ago
-        w = _load_words(w_rows, tl.minimum(step + 1, last - 1) * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
-        k = step * BLOCK_K + rk
-        k_mask = k < K
-        r = tl.load(x_ptr + k, mask=k_mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = r + tl.load(res_ptr + k, mask=k_mask, other=0.0)
-        h = tl.load(norm_w_ptr + k, mask=k_mask, other=0.0) * (r.to(tl.float32) * inv_rms).to(r.dtype)
-        acc += current.to(tl.float32) * h.to(tl.float32)[None, :]
-    part = tl.where(rm[:, None] == 0, tl.sum(acc, axis=1)[None, :], 0.0)
-    _write_tile(part, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
-
-
 def _config(block_n: int, block_k: int, num_warps: int) -> DecodeConfig:
     # num_stages 1: no prefetch across the loop; it measured slower for 16-bit weights on an H200.
     return DecodeConfig(fma=True, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=1)
@@ -150,34 +104,6 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | Non
         return out
     config = resolve_split(config or DEFAULT_CONFIG, m, n, k, num_sms(x.device))
     return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),))
-
-
-def norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    config: DecodeConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm(x + residual) @ weight.T for one row, in one kernel: (out [1, N], the new residual or None).
-
-    Equals ``rms_norm_triton(x, norm_weight, eps, residual)`` followed by ``dense_gemv`` on its output,
-    up to the order of the row's sum of squares.
-    """
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"norm_gemv takes x [1, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if weight.stride(1) != 1:
-        raise ValueError("norm_gemv needs a weight with unit stride along K")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if residual is not None and residual.stride(-1) != 1:
-        residual = residual.contiguous()
-    k, n = x.shape[1], weight.shape[0]
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else None
-    config = resolve_split(config or DEFAULT_CONFIG, 1, n, k, num_sms(x.device))
-    config = replace(config, num_stages=2)  # the kernel always requests a step ahead: its first step hides the norm
-    # _launch passes the tensors after x, then (after x's row stride) the weight's row stride and eps.
-    _launch(_norm_gemv_kernel, config, x, out, n, k,
-            (residual if residual is not None else x, norm_weight, weight, residual_out if residual is not None else x),
-            (weight.stride(0), eps), HAS_RESIDUAL=residual is not None, BLOCK_H=triton.next_power_of_2(k))
-    return out, residual_out
 
 
 # -- per-shape tactics: chosen by timing at build, recorded in the engine, set again at load --------
@@ -261,20 +187,6 @@ def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: tor
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     config = _gemv_config(x, weight) if bias is None else None
     return dense_gemv(x, weight, config) if config is not None else F.linear(x, weight, bias)
-
-
-def normed_linear_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``norm_gemv`` where the GEMV runs (one row, a shape not timed faster on cuBLAS); None elsewhere:
-    the caller normalises, then multiplies."""
-    config = _gemv_config(x, weight)
-    if config is None or norm_weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
-        return None
-    return norm_gemv(x, residual, norm_weight, eps, weight, config)
-
-
-linear_gemv.normed = normed_linear_gemv  # type: ignore[attr-defined]  # what the model's projections look for
 
 
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> DecodeConfig | None:

@@ -55,57 +55,6 @@ def test_gemv_matches_torch(rows, n, k, config, dtype):
     _check(gemv.dense_gemv(x, w, config), x, w)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("with_residual", [True, False])
-@pytest.mark.parametrize("n,k,config", [(40, 200, gemv.TACTICS["n16 k128 w8"]), (96, 512, gemv.TACTICS["n32 k128 w4"])])
-def test_norm_gemv_is_the_norm_kernel_then_the_gemv(n, k, config, with_residual, dtype):
-    from plugins.norm_triton import rms_norm_triton
-
-    x, w = _operands(1, n, k, dtype)
-    residual = torch.randn_like(x) if with_residual else None
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(5))).to(DEVICE, dtype)
-    out, new_residual = gemv.norm_gemv(x, residual, norm_weight, 1e-5, w, config)
-    h, expected_residual = rms_norm_triton(x, norm_weight, 1e-5, residual)
-    if with_residual:
-        assert torch.equal(new_residual, expected_residual)
-    else:
-        assert new_residual is None
-    _check(out, h, w)
-
-
-def test_projections_fold_the_norm_in_only_where_the_gemm_can():
-    from executor_svc.model.llama import Linear, RMSNorm, norm_linear
-    from plugins.kernels import Kernels
-
-    kernels = Kernels.reference(DEVICE, torch.float32)
-    norm, linear = RMSNorm(32, 1e-6, kernels).to(DEVICE), Linear(32, 24, kernels).to(DEVICE)
-    torch.nn.init.normal_(linear.weight)
-    torch.nn.init.normal_(norm.weight)
-    x, residual = torch.randn(1, 32, device=DEVICE), torch.randn(1, 32, device=DEVICE)
-    h, expected_residual = norm(x, residual)
-    expected = linear(h)
-    out, new_residual = norm_linear(norm, linear, x, residual)  # torch GEMM: the norm, then the GEMM
-    assert torch.equal(out, expected) and torch.equal(new_residual, expected_residual)
-    linear.kernel = gemv.linear_gemv
-    calls = []
-    original = gemv.norm_gemv
-    try:
-        gemv.norm_gemv = lambda *a, **kw: calls.append(len(a)) or original(*a, **kw)
-        out, new_residual = norm_linear(norm, linear, x, residual)  # the GEMV plugin at one row: one kernel
-        assert calls == [6]
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(new_residual, expected_residual)
-        out, new_residual = norm_linear(norm, linear, x, None)  # the first layer: the residual is x
-        assert new_residual is x
-        norm_linear(norm, linear, torch.cat([x, x]), torch.cat([residual, residual]))  # two rows: not fused
-        handle = linear.register_forward_hook(lambda *args: None)  # a calibration hook sees the GEMM's input
-        norm_linear(norm, linear, x, residual)
-        handle.remove()
-        assert len(calls) == 2
-    finally:
-        gemv.norm_gemv = original
-
-
 def test_gemv_refuses_what_it_cannot_compute():
     x, w = _operands(3, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="at most 2 rows"):
@@ -175,22 +124,3 @@ def test_llama_shapes_in_a_cuda_graph(name):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, x, w)
-
-
-@pytest.mark.skipif(not ON_GPU, reason="Llama-3.1-8B shapes in bfloat16 and CUDA graphs need a GPU")
-def test_norm_gemv_on_llama_shapes_in_a_cuda_graph():
-    from plugins.norm_triton import rms_norm_triton
-
-    for n in (6144, 28672):
-        x, w = _operands(1, n, 4096, torch.bfloat16)
-        residual, norm_weight = torch.randn_like(x), torch.rand(4096, device=DEVICE, dtype=torch.bfloat16) + 0.5
-        gemv.norm_gemv(x, residual, norm_weight, 1e-5, w)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, new_residual = gemv.norm_gemv(x, residual, norm_weight, 1e-5, w)
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        h, expected_residual = rms_norm_triton(x, norm_weight, 1e-5, residual)
-        assert torch.equal(new_residual, expected_residual)
-        _check(out, h, w)

@@ -48,25 +48,6 @@ class Linear(nn.Module):
         return self.kernel(x, self.weight)
 
 
-def norm_linear(
-    norm: RMSNorm, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``linear(norm(x, residual))`` and the new residual (x itself when there was none).
-
-    One kernel where the engine's GEMM can fold the norm in (``gemm.normed``: the GEMV plugin at one
-    row, plugins/gemm_decode.py); otherwise the norm kernel, then the GEMM.
-    """
-    plain = type(linear) is Linear and not norm.weight_offset and not (linear._forward_hooks or norm._forward_hooks)
-    fused = getattr(linear.kernel, "normed", None) if plain else None
-    if fused is not None:
-        done = fused(x, residual, norm.weight, norm.eps, linear.weight)
-        if done is not None:
-            out, new_residual = done
-            return out, x if new_residual is None else new_residual
-    h, new_residual = norm(x, residual)
-    return linear(h), x if new_residual is None else new_residual
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions; applied by the rope kernel,
     which also writes the layer's k and v into the paged cache."""
@@ -129,8 +110,10 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = x.shape[0]
-        qkv, residual = norm_linear(self.input_layernorm, self.qkv_proj, x, residual)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        h, residual = self.input_layernorm(x, residual)
+        if residual is None:
+            residual = x
+        q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -138,10 +121,8 @@ class DecoderLayer(nn.Module):
         attn = self.attention(
             q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.k_scale, self.v_scale
         )
-        gate_up, residual = norm_linear(
-            self.post_attention_layernorm, self.gate_up_proj, self.o_proj(attn.reshape(tokens, self.q_size)), residual
-        )
-        return self.down_proj(self.act_and_mul(gate_up, "silu")), residual
+        h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)), residual)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(h), "silu")), residual
 
 
 class LlamaForCausalLM(nn.Module):
