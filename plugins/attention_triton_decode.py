@@ -4,12 +4,8 @@ One program owns one (request, KV head, split of the sequence): it loads the
 query rows of every query head that shares the KV head (the GQA group, padded
 to 16 rows so it can be the M side of ``tl.dot``), walks its split of the
 request's keys through the block table, and keeps an online softmax. Each K/V
-tile is therefore read once per group, not once per query head. The splits
-are merged with their log-sum-exp weights by the split of each (request, KV
-head) that finishes last (it counts itself in on a per-device counter, as the
-split-K GEMMs of plugins/quant_gemm_decode_kernels.py do), so a step runs one
-attention kernel per layer; where no counter is available (a launch captured
-before the first eager one), a second kernel merges.
+tile is therefore read once per group, not once per query head. A second
+kernel merges the splits with their log-sum-exp weights.
 
 Everything the host decides (grid, number of splits, scratch sizes) comes from
 tensor shapes only, never from context-length values, so the launch can be
@@ -114,14 +110,14 @@ def _load_kv(ptrs, mask, DTYPE: tl.constexpr, KV_QUANT: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr, lock_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     rows_ptr, tokens_ptr, tables_ptr, lens_ptr,
     qk_scale, v_scale, split_len, num_splits, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -187,40 +183,6 @@ def _decode_split_kernel(
         tl.store(part_o_ptr + part[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], o, mask=store_mask)
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=head_mask)
-        if MERGE_HERE:
-            # Every thread's partials are written before the program counts itself in (the atomic is
-            # issued by one thread; its release covers what the barrier ordered before it).
-            tl.debug_barrier()
-            lock = lock_ptr + b * tl.num_programs(1) + kv_head
-            if tl.atomic_add(lock, 1, sem="acq_rel") == num_splits - 1:
-                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, token, heads, b, num_splits, num_heads,
-                              stride_ot, stride_oh, offs_d, store_mask, head_mask, HEAD_DIM, BLOCK_H, BLOCK_D)
-                tl.atomic_xchg(lock, 0)
-
-
-@triton.jit
-def _merge_splits(
-    part_o_ptr, part_lse_ptr, out_ptr, token, heads, b, num_splits, num_heads, stride_ot, stride_oh, offs_d,
-    store_mask, head_mask, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """The last split of a (request, KV head): weigh every split's output by its share of the softmax
-    mass, for the group's query heads, as ``_decode_merge_kernel`` does for one head."""
-    base = (b * num_heads + heads) * num_splits  # [BLOCK_H]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for split in range(num_splits):  # .cg: from L2, where the other programs' partials are
-        m = tl.maximum(m, tl.load(part_lse_ptr + base + split, mask=head_mask, other=float("-inf"), cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: a padding row, output 0
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for split in range(num_splits):
-        w = tl.exp2(tl.load(part_lse_ptr + base + split, mask=head_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(part_o_ptr + (base + split)[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :], mask=store_mask,
-                    other=0.0, cache_modifier=".cg")
-        total += w
-        acc += o * w[:, None]
-    merged = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             merged.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 @triton.jit
@@ -246,21 +208,6 @@ def _decode_merge_kernel(
     total = tl.sum(w, 0)
     merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty), mask=d_mask)
-
-
-LOCK_SLOTS = 1 << 16  # (request, KV head) pairs one launch may merge in-kernel
-_locks: dict[torch.device, torch.Tensor] = {}
-
-
-def _merge_locks(device: torch.device, pairs: int) -> torch.Tensor | None:
-    """The device's zeroed arrival counters (reset by the kernel after each merge), or None: merge in a
-    second kernel. Made on first use outside CUDA-graph capture, where zeroing them really happens."""
-    locks = _locks.get(device)
-    if locks is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        locks = _locks[device] = torch.zeros(LOCK_SLOTS, dtype=torch.int32, device=device)
-    return locks if pairs <= LOCK_SLOTS else None
 
 
 def decode_attention(
@@ -294,9 +241,8 @@ def decode_attention(
     kv_quant = kv_quant_code(k_cache.dtype)
     if not kv_quant:
         k_scale = v_scale = 1.0
-    locks = None if single else _merge_locks(q.device, batch * kv_heads)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, locks if locks is not None else part_lse,
+        q, k_cache, v_cache, out, part_o, part_lse,
         rows, tokens, meta.block_tables, meta.context_lens_t,
         scale * LOG2_E * k_scale, v_scale, split_len, num_splits, heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -304,10 +250,10 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
-        SINGLE_SPLIT=single, MERGE_HERE=locks is not None, DOT_MODE=dot_mode(q.dtype), KV_QUANT=kv_quant,
+        SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype), KV_QUANT=kv_quant,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    if not single and locks is None:
+    if not single:
         _decode_merge_kernel[(batch, heads)](
             part_o, part_lse, out, tokens, num_splits, heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,

@@ -93,27 +93,6 @@ def test_generation_split_k_with_empty_splits(window):
     assert_matches(out, reference(q, k, v, meta, 0.125, window), q.dtype)
 
 
-def test_split_merge_in_kernel_and_in_a_second_kernel_agree(monkeypatch):
-    """The last split merges (and leaves its counter at zero for the next launch); without counters
-    (a launch captured before any eager one) the merge kernel does it."""
-    import plugins.attention_triton_decode as decode
-
-    requests = [(0, 1), (20, 1), (150, 1)]
-    q, k, v, meta = make_step(requests, 6, 2, 64, 16, seed=5, extra_table_blocks=6)
-    tiles = DecodeTiles(block_n=16, num_warps=4, num_stages=1, programs_per_sm=64, min_split_tokens=16)
-    expected = reference(q, k, v, meta, 0.125)
-    merged_here = [torch.full_like(q, float("nan")) for _ in range(2)]
-    for out in merged_here:  # twice: the counters the first launch used must be back at zero
-        decode_attention(q, k, v, meta, 0.125, 0, out, tiles, num_sms=4)
-        assert_matches(out, expected, q.dtype)
-    assert int(decode._locks[q.device].abs().sum()) == 0
-    monkeypatch.setattr(decode, "_merge_locks", lambda device, pairs: None)
-    merged_after = torch.full_like(q, float("nan"))
-    decode_attention(q, k, v, meta, 0.125, 0, merged_after, tiles, num_sms=4)
-    assert_matches(merged_after, expected, q.dtype)
-    torch.testing.assert_close(merged_after, merged_here[0], rtol=1e-5, atol=1e-5)
-
-
 def test_generation_row_without_keys_gives_zeros():
     # A row with no keys at all (a padding row) must come out as finite zeros,
     # not NaN, and leave the real rows alone: with one split and with several.
