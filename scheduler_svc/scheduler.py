@@ -120,7 +120,8 @@ class Scheduler:
             config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size
         )
         self._drafts_asked = False  # whether the last plan asked any request for drafts
-        self._generation_steps: dict[int, tuple[int, int]] = {}  # step id -> (tokens per round, rounds) in flight
+        # step id -> (tokens per round, rounds, whether it verified drafts) of generation steps in flight
+        self._generation_steps: dict[int, tuple[int, int, bool]] = {}
 
     @property
     def guaranteed(self) -> bool:
@@ -421,7 +422,8 @@ class Scheduler:
             item.num_tokens == 1 + len(item.drafts) or item.rounds > 1 for item in step.chosen.values()
         ):  # a generation step: what the draft-length policy learns step costs from, per round
             rounds = max((item.rounds for item in step.chosen.values()), default=1)
-            self._generation_steps[plan.step_id] = (plan.num_scheduled_tokens // rounds, rounds)
+            verified = rounds > 1 or any(item.drafts for item in step.chosen.values())
+            self._generation_steps[plan.step_id] = (plan.num_scheduled_tokens // rounds, rounds, verified)
         copies = self.kv.take_copies()
         plan.swap_out = [BlockCopy(device_block=d, host_slot=h) for d, h in copies.swap_out]
         plan.swap_in = [BlockCopy(device_block=d, host_slot=h) for h, d in copies.swap_in]
@@ -488,8 +490,9 @@ class Scheduler:
         generation = self._generation_steps.pop(result.step_id, None)
         seconds = seconds if seconds is not None else result.step_us / 1e6
         if generation is not None and seconds > 0:
-            tokens, rounds = generation  # chained rounds: each counts as a step of its share
-            self.draft_policy.observe(tokens, seconds / rounds, overlapped, result.step_us / 1e6 / rounds)
+            tokens, rounds, verified = generation  # chained rounds: each counts as a step of its share
+            self.draft_policy.observe(tokens, seconds / rounds, overlapped, result.step_us / 1e6 / rounds,
+                                      plain=not verified)
         requests = self.requests
         for request_id in self._sampling.pop(result.step_id, ()):
             request = requests.get(request_id)

@@ -28,7 +28,12 @@ to be slow (a kernel loading, a pinned buffer allocated) does not rule its
 size out; the size gets tried again and its median takes over (while no
 bucket has enough, each counts its fastest step). Step sizes past the
 largest measured one are assumed to cost what it did, which is optimistic,
-so a larger K gets tried and then judged by its real cost.
+so a larger K gets tried and then judged by its real cost. The other way
+round, a plain step's cost is never read off drafted steps: until a step
+without drafts has been measured at the current size, the policy runs one
+(K = 0) before it compares. Otherwise, where verification is slow (more rows
+than the CUDA graphs hold, on an executor built for small batches), K = 0
+would be priced like the drafted steps and speculation would run at a loss.
 
 What is maximised depends on the queue. While requests wait, finished
 requests are replaced at once, so the batch's total tokens per second is
@@ -162,6 +167,7 @@ class DraftLengthPolicy:
         self._probe_every = PROBE_EVERY
         self._probe_start = PROBE_EVERY  # the step (as counted by choose) where the next probe begins
         self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
+        self._plain_sizes: set[int] = set()  # step-size buckets where a step without drafts was measured
 
     def choose(self, candidates: list[Candidate], other_tokens: int, draining: bool = False) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens;
@@ -178,7 +184,11 @@ class DraftLengthPolicy:
         base = other_tokens + len(candidates)
         best_k, best = 0, -1.0
         estimates = []
-        for k in range(self.max_draft_tokens + 1):
+        # Steps with drafts were measured but a plain step of this size never was: its cost would be
+        # read off the longer, drafted steps (and could be no cheaper, so speculation would look free).
+        # Run one plain step and learn, as K > 0 once was tried unmeasured.
+        explore_plain = bool(self.costs.recent) and _bucket(base) not in self._plain_sizes
+        for k in range(0 if explore_plain else self.max_draft_tokens + 1):
             drafts = [min(k, c.num_drafts) for c in candidates]
             seconds = self._cost(k, base + sum(drafts))
             if seconds is None:  # nothing measured yet: speculate fully once and learn
@@ -205,9 +215,14 @@ class DraftLengthPolicy:
         self.choices[best_k] += 1
         return best_k
 
-    def observe(self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float) -> None:
-        """A generation step of ``num_tokens`` tokens took ``wall_seconds`` as the step loop saw it."""
+    def observe(
+        self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float, plain: bool = True
+    ) -> None:
+        """A generation step of ``num_tokens`` tokens took ``wall_seconds`` as the step loop saw it;
+        ``plain``: it verified no drafts."""
         (self.overlapped_costs if overlapped else self.costs).observe(num_tokens, wall_seconds)
+        if plain:
+            self._plain_sizes.add(_bucket(num_tokens))
         self._last_tokens = num_tokens
         if executor_seconds > 0:
             self.executor_costs.observe(num_tokens, executor_seconds)
