@@ -182,13 +182,16 @@ class DraftLengthPolicy:
             self.last_k = self.max_draft_tokens
             return self.last_k
         base = other_tokens + len(candidates)
+        if self.costs.recent and _bucket(base) not in self._plain_sizes:
+            # Steps with drafts were measured but a plain step of this size never was: its cost would be
+            # read off the longer, drafted steps (no cheaper, so speculation would look free). Run one
+            # plain step to learn it, as K > 0 was once tried unmeasured. last_k stays: drafts keep
+            # coming, so the next step speculates again at once if that pays.
+            self.choices[0] += 1
+            return 0
         best_k, best = 0, -1.0
         estimates = []
-        # Steps with drafts were measured but a plain step of this size never was: its cost would be
-        # read off the longer, drafted steps (and could be no cheaper, so speculation would look free).
-        # Run one plain step and learn, as K > 0 once was tried unmeasured.
-        explore_plain = bool(self.costs.recent) and _bucket(base) not in self._plain_sizes
-        for k in range(0 if explore_plain else self.max_draft_tokens + 1):
+        for k in range(self.max_draft_tokens + 1):
             drafts = [min(k, c.num_drafts) for c in candidates]
             seconds = self._cost(k, base + sum(drafts))
             if seconds is None:  # nothing measured yet: speculate fully once and learn

@@ -314,12 +314,14 @@ def test_a_plain_step_is_measured_before_speculation_is_judged_free():
     assert policy.choose(one, 0) == 8  # nothing measured: try the most
     policy.observe(9, 0.008, overlapped=False, executor_seconds=0.007, plain=False)  # an eager 9-row step
     assert policy.choose(one, 0) == 0  # a plain step of 1 token was never measured: run one
-    policy.observe(1, 0.0012, overlapped=True, executor_seconds=0.001)
+    assert policy.drafts_to_propose() == 8 and not policy.allows_overlap()  # ... and keep drafts coming
+    policy.observe(1, 0.0015, overlapped=False, executor_seconds=0.0012)
     for _ in range(5):
-        assert policy.choose(one, 0) == 0  # 1.25 tokens per 8 ms against 1 per 1.2 ms
+        assert policy.choose(one, 0) == 0  # 1.25 tokens per 8 ms against 1 per 1.2 ms (the executor's time)
     fast = DraftLengthPolicy(max_draft_tokens=8)  # verification that costs little more than a plain step pays
     fast.observe(9, 0.0014, overlapped=False, executor_seconds=0.0013, plain=False)
-    fast.observe(1, 0.0012, overlapped=True, executor_seconds=0.001)
+    assert fast.choose([Candidate("a", 8, 0.8)], 0) == 0  # the plain step, measured once
+    fast.observe(1, 0.0013, overlapped=False, executor_seconds=0.0012)
     assert fast.choose([Candidate("a", 8, 0.8)], 0) == 8
 
 
