@@ -28,7 +28,7 @@ import triton.language as tl
 
 from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
-from plugins.quant_gemm_decode_kernels import _load_words, _load_x, _write_tile
+from plugins.quant_gemm_decode_kernels import _float_gemv_step, _float_gemv_tile, _load_x, _write_tile
 from plugins.registry import register_kernel
 
 MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
@@ -40,25 +40,15 @@ def _dense_gemv_kernel(
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    first = tl.program_id(1) * steps_per_split
-    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
-    n_mask = rn < N
-    w_rows = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    w = _load_words(w_rows, first * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
+                                                              BLOCK_K, EVEN_K)
     # Row 0's products are summed over K once, after the loop; a second row (ROWS 2) keeps its own.
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in range(first, last):
-        if PREFETCH:  # request the next step's weights before using this step's (the last re-requests its own)
-            current = w
-            w = _load_words(w_rows, tl.minimum(step + 1, last - 1) * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
-        else:
-            current = _load_words(w_rows, step * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+        w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
         k = step * BLOCK_K + rk
-        w32 = current.to(tl.float32)
         acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
         if ROWS == 2:
             acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]

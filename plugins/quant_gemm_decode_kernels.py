@@ -81,6 +81,35 @@ def _load_words(row_ptrs, offset, row_mask, index, length, EVEN_K: tl.constexpr)
     return tl.load(row_ptrs + offset, mask=row_mask & (offset + index < length), other=zero)
 
 
+@triton.jit
+def _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr):
+    """A GEMV program's tile of a weight read element by element (16-bit or FP8): (output channels
+    ``rn``, their mask, the rows' pointers, channel offsets ``rk``, its first and last K step, and the
+    first step's weights, already requested)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    first = tl.program_id(1) * steps_per_split
+    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
+    n_mask = rn < N
+    w_rows = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+    w = _load_words(w_rows, first * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    return rn, n_mask, w_rows, rk, first, last, w
+
+
+@triton.jit
+def _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     PREFETCH: tl.constexpr):
+    """(this step's weights as float32, the weights to carry to the next step). With PREFETCH the next
+    step's are requested before this step's are used (the last step re-requests its own)."""
+    if PREFETCH:
+        current = w
+        w = _load_words(w_rows, tl.minimum(step + 1, last - 1) * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    else:
+        current = _load_words(w_rows, step * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    return current.to(tl.float32), w  # FP8: E4M3 pairs to half pairs in hardware, then to float32
+
+
 # -- dequantization in registers ----------------------------------------------------
 
 
@@ -393,23 +422,13 @@ def _fp8_gemv_kernel(
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    first = tl.program_id(1) * steps_per_split
-    last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
-    n_mask = rn < N
-    w_rows = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-    w = _load_words(w_rows, first * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+    rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
+                                                              BLOCK_K, EVEN_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(first, last):
-        if PREFETCH:  # request the next step's weights before using this step's (the last re-requests its own)
-            current = w
-            w = _load_words(w_rows, tl.minimum(step + 1, last - 1) * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
-        else:
-            current = _load_words(w_rows, step * BLOCK_K, n_mask[:, None], rk[None, :], K, EVEN_K)
+        w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
         k = step * BLOCK_K + rk
-        w32 = current.to(tl.float32)  # E4M3 pairs to half pairs in hardware, then to float32
         for m in tl.static_range(ROWS):
             x = _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)
             acc += tl.where(rm[:, None] == m, tl.sum(w32 * x[None, :], axis=1)[None, :], 0.0)
