@@ -14,6 +14,13 @@ tile's shape so the cross-thread sum over K happens once per program instead of
 once per step, and K is split across programs whenever the output tiles alone
 would leave SMs idle. The split partials are added by the program that
 arrives last (an atomic counter per tile), so there is no reduction kernel.
+
+Registered as the ``gemm`` kind's ``triton_gemv`` (CUDA, 16-bit): one row runs
+the GEMV, more rows run F.linear (cuBLAS was faster at two rows on every
+Llama-3.1-8B shape). Which tile a weight shape gets, or whether it stays on
+cuBLAS, is a tactic timed at build (``tune_tactics``, from
+executor_svc/kernel_selection.py), recorded in the engine and installed again
+at load (``set_tactics``).
 """
 
 from __future__ import annotations
@@ -181,7 +188,7 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> DecodeConfig | None:
     """The tiles for one row times ``weight``, or None when F.linear should run."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype:
+    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype or weight.stride(1) != 1:
         return None
     tactic = _tactics.get((weight.shape[0], weight.shape[1]))
     if tactic == CUBLAS:

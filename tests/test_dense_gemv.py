@@ -75,6 +75,8 @@ def test_tactics_route_each_shape():
         gemv.set_tactics({gemv.shape_key(48, 256): "n16 k128 w8"})
         _check(gemv.linear_gemv(x, w), x, w)
         assert calls == [gemv.TACTICS["n16 k128 w8"]]
+        wt = w.t().contiguous().t()  # the same values, not contiguous along K: F.linear takes it
+        _check(gemv.linear_gemv(x, wt), x, wt)
         gemv.set_tactics({gemv.shape_key(48, 256): gemv.CUBLAS})
         _check(gemv.linear_gemv(x, w), x, w)
         x2 = torch.cat([x, x])
