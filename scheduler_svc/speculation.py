@@ -168,6 +168,7 @@ class DraftLengthPolicy:
         self._probe_start = PROBE_EVERY  # the step (as counted by choose) where the next probe begins
         self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
         self._plain_sizes: set[int] = set()  # step-size buckets where a step without drafts was measured
+        self._plain_tried: set[int] = set()  # ... and where one was run to be measured
 
     def choose(self, candidates: list[Candidate], other_tokens: int, draining: bool = False) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens;
@@ -182,11 +183,14 @@ class DraftLengthPolicy:
             self.last_k = self.max_draft_tokens
             return self.last_k
         base = other_tokens + len(candidates)
-        if self.costs.recent and _bucket(base) not in self._plain_sizes:
+        size = _bucket(base)
+        if self.costs.recent and size not in self._plain_sizes and size not in self._plain_tried:
             # Steps with drafts were measured but a plain step of this size never was: its cost would be
             # read off the longer, drafted steps (no cheaper, so speculation would look free). Run one
-            # plain step to learn it, as K > 0 was once tried unmeasured. last_k stays: drafts keep
-            # coming, so the next step speculates again at once if that pays.
+            # plain step to learn it, as K > 0 was once tried unmeasured; once per size (a step that
+            # also carries prompt chunks is not measured, and must not hold speculation off). last_k
+            # stays: drafts keep coming, so the next step speculates again at once if that pays.
+            self._plain_tried.add(size)
             self.choices[0] += 1
             return 0
         best_k, best = 0, -1.0

@@ -318,6 +318,10 @@ def test_a_plain_step_is_measured_before_speculation_is_judged_free():
     policy.observe(1, 0.0015, overlapped=False, executor_seconds=0.0012)
     for _ in range(5):
         assert policy.choose(one, 0) == 0  # 1.25 tokens per 8 ms against 1 per 1.2 ms (the executor's time)
+    mixed = DraftLengthPolicy(max_draft_tokens=8)  # the plain step carried a prompt chunk: not measured
+    mixed.observe(9, 0.0014, overlapped=False, executor_seconds=0.0013, plain=False)
+    assert mixed.choose([Candidate("a", 8, 0.8)], 0) == 0  # tried once ...
+    assert mixed.choose([Candidate("a", 8, 0.8)], 0) == 8  # ... then judged on what was measured
     fast = DraftLengthPolicy(max_draft_tokens=8)  # verification that costs little more than a plain step pays
     fast.observe(9, 0.0014, overlapped=False, executor_seconds=0.0013, plain=False)
     assert fast.choose([Candidate("a", 8, 0.8)], 0) == 0  # the plain step, measured once
