@@ -155,7 +155,10 @@ def run_generate(args) -> dict:
     from scheduler_svc.tokenizer import Tokenizer
 
     checkpoint, _ = resolve_model_source(args)
-    build = BuildConfig(max_batch_size=max(args.batch_sizes), max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
+    # The largest batch, and at least one request's verification rows: an engine built for fewer rows
+    # verifies outside its CUDA graphs and never chains rounds (h200_spec_ngram_max_batch1_smollm2.json).
+    max_batch = max(max(args.batch_sizes), 1 + args.num_draft_tokens)
+    build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
     if args.train_heads:  # `inflight train-draft` with its defaults (self-distillation on the built-in corpus)
