@@ -267,6 +267,28 @@ def wait_idle(args, what: str) -> dict | None:
     return MONITOR.wait_idle(args.wait_idle, args.idle_threshold, what) if args.wait_idle > 0 else None
 
 
+def measure_copy_bandwidth(device: str, gib: float = 4.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted, as memory traffic)."""
+    import torch
+
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    reps = 10
+    for _ in range(reps):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / reps
+    del src, dst
+    return 2 * n * 2 / seconds
+
+
 def time_us(fn, device, warmup: int, repeats: int, before_each=None) -> float:
     """Median time of one call in microseconds: CUDA events on a GPU, wall clock on the CPU.
 

@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import log, write_report  # noqa: E402  (also puts the repository on sys.path)
+from bench_common import log, measure_copy_bandwidth, write_report  # noqa: E402  (also puts the repository on sys.path)
 
 LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -89,28 +88,6 @@ def time_calls(fn, weights: list, device, repeats: int) -> float:
     return (time.perf_counter() - start) * 1e6 / len(weights)
 
 
-def copy_bandwidth(device) -> float | None:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written per second), or None on the CPU."""
-    import torch
-
-    if device.type != "cuda":
-        return None
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(samples) / 1e9
-
-
 def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, device, bandwidth: float | None) -> list[dict]:
     import torch
     import torch.nn.functional as F
@@ -164,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     from tqdm import tqdm
 
     device = torch.device(args.device)
-    bandwidth = copy_bandwidth(device)
+    bandwidth = measure_copy_bandwidth(args.device) / 1e9 if device.type == "cuda" else None
     results = []
     for name, (n, k) in tqdm(args.layers.items(), desc="layers", file=sys.stderr):
         results += measure_layer(name, n, k, args, device, bandwidth)
@@ -185,8 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         entry["speedup_best_vs_cublas"] = round(entry["cublas_us"] / entry["gemv_best_us"], 3)
     write_report("bench/dense_gemv.py", argv, args.device, args.output, {
         "copy_bandwidth_gb_per_s": round(bandwidth, 1) if bandwidth else None,
-        "note": "copy bandwidth: bytes read + written per second by a 1 GiB device-to-device copy, the figure "
-                "bench/offline_throughput.py's batch-1 limit uses; shares are weight bytes read per second over it. "
+        "note": "copy bandwidth: bytes read + written per second by a device-to-device copy "
+                "(bench_common.measure_copy_bandwidth, as bench/offline_throughput.py's batch-1 limit); shares are weight bytes read per second over it. "
                 "gemv_default is the first tactic (what a shape a build did not time runs)",
         "best": best, "results": results,
     })

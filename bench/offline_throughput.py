@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import REPO, device_info, free_port, git_info, log, pct  # noqa: E402
+from bench_common import REPO, device_info, free_port, git_info, log, measure_copy_bandwidth, pct  # noqa: E402
 from model_shapes import add_model_source_args, default_load_format, kv_bytes_per_token, resolve_model_source, weight_bytes  # noqa: E402
 
 
@@ -115,28 +115,6 @@ async def _run_requests(submit, prompts: list[list[int]], output_len: int, desc:
         "ttft_ms": {"p50": pct([x * 1e3 for x in first_token_at], 50), "p99": pct([x * 1e3 for x in first_token_at], 99)},
         "tpot_ms": {"p50": pct([x * 1e3 for x in tpot], 50), "p99": pct([x * 1e3 for x in tpot], 99)},
     }
-
-
-def measure_copy_bandwidth(device: str, gib: float = 4.0) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted, as memory traffic)."""
-    import torch
-
-    n = int(gib * 2**30) // 2
-    src = torch.empty(n, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    reps = 10
-    for _ in range(reps):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / reps
-    del src, dst
-    return 2 * n * 2 / seconds
 
 
 def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
