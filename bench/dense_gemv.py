@@ -9,8 +9,8 @@ the weight bytes read per second and their share of the copy bandwidth
 measured in the same run.
 
 Timing is what a decode step sees: the calls are captured in one CUDA graph
-(``plugins.gemm_decode.graph_time_us``, which build-time tactic selection
-uses too) that cycles over enough copies of the weight (at least 512 MiB) that
+(``plugins.timing.graph_time_us``, which build-time kernel and tactic
+selection use too) that cycles over enough copies of the weight (at least 512 MiB) that
 every call reads its weight from HBM, not L2, and back-to-back launches pay
 the graph's gaps between kernels; the time per call is the replay time over
 the calls (median of the repeats).
@@ -78,7 +78,7 @@ def time_calls(fn, weights: list, device, repeats: int) -> float:
     import time
 
     if device.type == "cuda":
-        from plugins.gemm_decode import graph_time_us
+        from plugins.timing import graph_time_us
 
         return graph_time_us([lambda w=w: fn(w) for w in weights], device, repeats)
     fn(weights[0])

@@ -25,6 +25,7 @@ from executor_svc.model.config import ModelConfig
 from executor_svc.quantization.kv_cache import kv_cache_dtype
 from plugins.attention_metadata import AttentionMetadata
 from plugins.registry import KernelSpec, list_kernels
+from plugins.timing import graph_time_us
 
 log = logging.getLogger("inflight.build")
 
@@ -143,27 +144,16 @@ def time_kernel(fn: Callable, args: BenchArgs, device: torch.device, repeats: in
 
 
 def _time_on_gpu(run: Callable[[], None], device: torch.device, repeats: int, calls: int = 20) -> float:
-    torch.cuda.synchronize(device)
-    graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
     try:
-        stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(stream):
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(calls):
-                    run()
-        torch.cuda.synchronize(device)
+        return graph_time_us([run] * calls, device, repeats, warmup=0)  # time_kernel warmed up already
     except Exception:  # noqa: BLE001 - not capturable (host reads, allocations): time it eagerly
-        graph = None
         torch.cuda.synchronize(device)
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(calls):
-                run()
+        for _ in range(calls):
+            run()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) * 1e3 / calls)

@@ -25,9 +25,6 @@ at load (``set_tactics``).
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -37,6 +34,7 @@ from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
 from plugins.quant_gemm_decode_kernels import _float_gemv_step, _float_gemv_tile, _load_x, _write_tile
 from plugins.registry import register_kernel
+from plugins.timing import graph_time_us
 
 MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
 
@@ -123,33 +121,6 @@ def set_tactics(tactics: dict[str, str]) -> None:
         n, k = (int(v) for v in key.split("x"))
         parsed[(n, k)] = name
     _tactics.update(parsed)
-
-
-def graph_time_us(calls: list[Callable[[], object]], device: torch.device, repeats: int = 10) -> float:
-    """GPU time per call of ``calls`` run back to back from one CUDA graph (median of ``repeats`` replays).
-
-    Give calls that read different copies of a weight, more of them than L2 holds, to time what a
-    decode step sees: every weight read from HBM, and the graph's gaps between kernels.
-    """
-    for call in calls[:2]:  # compile outside the capture
-        call()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(device)
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return statistics.median(samples)
 
 
 TUNE_BYTES = 256 << 20  # weight copies a shape is timed over: well past an H200's 60 MB of L2
