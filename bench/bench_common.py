@@ -101,6 +101,12 @@ def device_info(device: str) -> dict:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = torch.version.cuda
+        import triton
+
+        from plugins.pdl import pdl_enabled
+
+        info["triton"] = triton.__version__
+        info["programmatic_dependent_launch"] = pdl_enabled(torch.device(device))
     cpu_model = platform.processor() or None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

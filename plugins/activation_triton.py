@@ -16,6 +16,7 @@ import math
 import torch
 
 from plugins.activation_torch import ACTIVATIONS
+from plugins.pdl import enter, pdl_launch_args
 from plugins.registry import register_kernel
 
 try:
@@ -35,8 +36,9 @@ if triton is not None:
     @triton.jit
     def _act_and_mul_kernel(
         x_ptr, out_ptr, intermediate, x_row_stride, out_row_stride,
-        GELU_TANH: tl.constexpr, BLOCK: tl.constexpr,
+        GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
+        enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < intermediate
@@ -70,5 +72,6 @@ if triton is not None:
             _act_and_mul_kernel[grid](
                 rows, out, intermediate, rows.stride(0), out.stride(0),
                 GELU_TANH=activation == "gelu_tanh", BLOCK=BLOCK_COLUMNS, num_warps=4,
+                **pdl_launch_args(x.device),
             )
         return out.view(*x.shape[:-1], intermediate)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from plugins.attention_metadata import AttentionMetadata
 from plugins.kv_cache_quant import kv_quant_code
+from plugins.pdl import enter, pdl_launch_args
 
 LOG2_E = 1.4426950408889634
 
@@ -117,8 +118,9 @@ def _decode_split_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
-    SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,8 +191,9 @@ def _decode_split_kernel(
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, tokens_ptr,
     num_splits, num_heads, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
     token = tl.load(tokens_ptr + b)
@@ -241,6 +244,7 @@ def decode_attention(
     kv_quant = kv_quant_code(k_cache.dtype)
     if not kv_quant:
         k_scale = v_scale = 1.0
+    pdl = pdl_launch_args(q.device)
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         rows, tokens, meta.block_tables, meta.context_lens_t,
@@ -251,10 +255,10 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
         SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype), KV_QUANT=kv_quant,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if not single:
         _decode_merge_kernel[(batch, heads)](
             part_o, part_lse, out, tokens, num_splits, heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4, **pdl,
         )

@@ -33,6 +33,7 @@ import triton.language as tl
 from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
 from plugins.quant_gemm_decode_kernels import _float_gemv_step, _float_gemv_tile, _load_x, _write_tile
+from plugins.pdl import enter
 from plugins.registry import register_kernel
 from plugins.timing import graph_time_us
 
@@ -43,7 +44,7 @@ MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tenso
 def _dense_gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
@@ -51,6 +52,18 @@ def _dense_gemv_kernel(
     # Row 0's products are summed over K once, after the loop; a second row (ROWS 2) keeps its own.
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PDL and not PREFETCH:
+        # The first step's weights were requested before the wait, so they stream in while the previous
+        # kernel finishes; that step is done here and the loop starts at the second.
+        enter(PDL)
+        w32 = w.to(tl.float32)
+        k = first * BLOCK_K + rk
+        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
+        if ROWS == 2:
+            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
+        first += 1
+    else:
+        enter(PDL)
     for step in range(first, last):
         w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
         k = step * BLOCK_K + rk

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from plugins.pdl import enter, pdl_launch_args
 from plugins.registry import register_kernel
 
 try:
@@ -25,18 +26,19 @@ if triton is not None:
     def _rms_norm_kernel(
         x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
         n_cols, x_stride, residual_stride, eps, weight_offset,
-        HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, HAS_OFFSET: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        enter(PDL)
         x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x + tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
             tl.store(residual_out_ptr + row * n_cols + cols, x, mask=mask)
         x32 = x.to(tl.float32)
         inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n_cols + eps)
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
         if HAS_OFFSET:  # Gemma: scale by (offset + weight) in float32, cast last
             out = (x32 * inv_rms * (weight.to(tl.float32) + weight_offset)).to(x.dtype)
         else:  # Llama: cast back before the weight, as the reference does
@@ -66,5 +68,6 @@ if triton is not None:
             x, residual if residual is not None else x, weight, out, residual_out if residual_out is not None else out,
             hidden, x.stride(0), residual.stride(0) if residual is not None else 0, eps, weight_offset,
             HAS_RESIDUAL=residual is not None, HAS_OFFSET=weight_offset != 0.0, BLOCK=block, num_warps=4 if block <= 4096 else 8,
+            **pdl_launch_args(x.device),
         )
         return out, residual_out

@@ -39,6 +39,7 @@ from functools import lru_cache
 import torch
 import triton
 
+from plugins.pdl import pdl_launch_args
 from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, decode_config, dot_config, resolve_split
 from plugins.quant_gemm_decode_kernels import (
     _fp8_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel,
@@ -109,7 +110,7 @@ def _launch(
     kernel[(n_tiles, split, row_tiles)](
         x, *tensors, out, partials, locks if locks is not None else out, m, n, k, x.stride(0), *strides,
         out.stride(0), steps_per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
-        num_warps=config.num_warps, num_stages=config.num_stages, **rows, **constants,
+        num_warps=config.num_warps, num_stages=config.num_stages, **rows, **constants, **pdl_launch_args(x.device),
     )
     return out
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from plugins.pdl import enter
+
 
 @triton.jit
 def _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K: tl.constexpr):
@@ -203,7 +205,7 @@ def _int4_plane_codes(w, J: tl.constexpr, dtype: tl.constexpr):
 def _w8a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # w_ptr: the INT8 weight as int32 words [N, K / 4]; stride_wn in words.
     WORDS: tl.constexpr = BLOCK_K // 4
@@ -217,6 +219,7 @@ def _w8a16_gemv_kernel(
     w_rows = w_ptr + rn[:, None] * stride_wn + rw[None, :]
     words = _load_words(w_rows, first * WORDS, n_mask[:, None], rw[None, :], K // 4, EVEN_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this
     for step in range(first, last):
         if PREFETCH:  # request the next step's words before using this step's (the last re-requests its own)
             current = words
@@ -239,7 +242,7 @@ def _w8a16_gemv_kernel(
 def _weight_dot_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    PRECISION: tl.constexpr, PER_CHANNEL: tl.constexpr, PDL: tl.constexpr,
 ):
     """INT8 (per-channel scale) or FP8 (per-tensor scale) weights widened to x's dtype, exactly, then
     tl.dot on 16-row tiles; the scale is applied once, after the sum."""
@@ -249,6 +252,7 @@ def _weight_dot_kernel(
     first = tl.program_id(1) * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this
     for step in range(first, last):
         k = step * BLOCK_K + rk
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
@@ -270,7 +274,7 @@ def _w4a16_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, CHUNK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K
     # channels is BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group.
@@ -289,6 +293,7 @@ def _w4a16_gemv_kernel(
     row_mask = n_mask[:, None, None]
     words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this
     for step in range(first, last):
         if PREFETCH:  # request the next step's words before using this step's (the last re-requests its own)
             current = words
@@ -323,7 +328,7 @@ def _w4a16_dot_bytes_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     # Bytes, for groups too small for the word planes: BLOCK_K divides GROUP, so a step lies in one
     # group, with one scale and one zero per output channel; even and odd channels are two dots.
@@ -335,6 +340,7 @@ def _w4a16_dot_bytes_kernel(
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this
     for step in range(first, last):
         k0 = step * BLOCK_K
         k = k0 + rk
@@ -361,7 +367,7 @@ def _w4a16_dot_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     # w_ptr: the packed weight as int32 words [N, K / 8]. A step of BLOCK_K channels (dividing GROUP,
     # at least 128) is BLOCK_K / 8 words per output channel; nibble j of every word is one "plane"
@@ -376,6 +382,7 @@ def _w4a16_dot_kernel(
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this
     for step in range(first, last):
         k0 = step * BLOCK_K
         k = k0 + rk
@@ -420,12 +427,13 @@ def _w4a16_dot_kernel(
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
                                                               BLOCK_K, EVEN_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this
     for step in range(first, last):
         w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
         k = step * BLOCK_K + rk

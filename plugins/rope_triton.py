@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from plugins.kv_cache_quant import check_kv_cache_support, kv_quant_code
+from plugins.pdl import enter, pdl_launch_args
 from plugins.registry import register_kernel
 
 try:
@@ -108,8 +109,9 @@ if triton is not None:
         table_stride, cache_block_stride, cache_slot_stride, cache_head_stride,
         num_heads, num_kv_heads, head_dim, tokens_per_block, inv_k_scale, inv_v_scale,
         IS_NEOX: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-        KV_QUANT: tl.constexpr,
+        KV_QUANT: tl.constexpr, PDL: tl.constexpr,
     ):
+        enter(PDL)
         token = tl.program_id(0).to(tl.int64)
         position = tl.load(positions_ptr + token)
         slot = tl.load(slots_ptr + token)
@@ -201,5 +203,6 @@ if triton is not None:
             IS_NEOX=style == "neox", BLOCK_HEADS=block_heads, BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=block_half, KV_QUANT=kv_quant, num_warps=4 if block_heads * block_half <= 2048 else 8,
             enable_fp_fusion=False,  # no FMA: round like the reference
+            **pdl_launch_args(q.device),
         )
         return q_out
