@@ -157,7 +157,7 @@ def run_generate(args) -> dict:
     checkpoint, _ = resolve_model_source(args)
     # The largest batch, and at least one request's verification rows: an engine built for fewer rows
     # verifies outside its CUDA graphs and never chains rounds (h200_spec_ngram_max_batch1_smollm2.json).
-    max_batch = max(max(args.batch_sizes), 1 + args.num_draft_tokens)
+    max_batch = args.max_batch_size or max(max(args.batch_sizes), 1 + args.num_draft_tokens)
     build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
@@ -172,7 +172,13 @@ def run_generate(args) -> dict:
     tokenizer = Tokenizer(engine_dir)
     prompts = {"grounded": GROUNDED, "chat": CHAT}[args.prompts][: args.num_prompts or None]
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
-    report: dict = {"engine_dir": engine_dir.name, "prompts": args.prompts, "num_prompts": len(texts), "modes": {}}
+    report: dict = {
+        "engine_dir": engine_dir.name, "prompts": args.prompts, "num_prompts": len(texts),
+        "engine": {"max_batch_size": base.max_batch_size, "cuda_graphs": base.decode_graphs is not None,
+                   "kernels": {kind: choice.name for kind, choice in base.manifest.plugins.items()},
+                   "kernel_timings_us": {kind: choice.timings_us for kind, choice in base.manifest.plugins.items()}},
+        "modes": {},
+    }
     if args.train_heads:
         from executor_svc.speculative.draft_heads import read_heads_meta
 
@@ -409,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--num-prompts", type=int, default=0, help="use the first N prompts of the set (0 = all)")
     gen.add_argument("--max-tokens", type=int, default=256, help="batch 1: most output tokens (EOS ends earlier)")
     gen.add_argument("--batch-sizes", default="1,64,256", type=lambda s: [int(x) for x in s.split(",")])
+    gen.add_argument("--max-batch-size", type=int, default=0,
+                     help="the engine's batch size (0: the largest of --batch-sizes, at least 1 + the draft tokens)")
     gen.add_argument("--batch-max-tokens", type=int, default=128, help="batch N: output tokens per request (EOS ignored)")
     gen.add_argument("--switch-interval-ms", type=float, default=0.0,
                      help="Python's GIL switch interval for this run (0 = leave the default, 5 ms)")
