@@ -135,6 +135,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         "kernels": {k: c.name for k, c in engine.manifest.plugins.items()},
         "kernel_timings_us": {k: c.timings_us for k, c in engine.manifest.plugins.items()},
         "kernel_tactics": {k: c.tactics for k, c in engine.manifest.plugins.items() if c.tactics},
+        "kernel_tactic_timings_us": {k: c.tactic_timings_us for k, c in engine.manifest.plugins.items() if c.tactic_timings_us},
         "cuda_graphs": engine.decode_graphs is not None,
         "max_batch_size": engine.max_batch_size, "max_num_tokens": engine.max_num_tokens, "max_seq_len": engine.max_seq_len,
     }

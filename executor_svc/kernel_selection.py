@@ -31,6 +31,7 @@ log = logging.getLogger("inflight.build")
 
 REFERENCE = "torch"
 GEMV = "triton_gemv"  # plugins/gemm_decode.py: per-shape tactics, timed here at build
+FP8_DECODE = "triton_decode"  # the gemm_fp8 candidate of plugins/quant_gemm_decode.py: per-shape tactics too
 # The arguments of one call, or of several calls timed together (their times add up).
 BenchArgs = Callable[[], tuple | list[tuple]]
 
@@ -202,9 +203,9 @@ def choose(
 def _tune_tactics(
     kind: str, requested: str, candidates: list[KernelSpec], model: ModelConfig, device: torch.device,
     dtype: torch.dtype,
-) -> dict[str, dict[str, str]]:
+) -> dict[str, dict[str, dict]]:
     """Per-shape variants of the candidates that have them, timed on the model's weight shapes before the
-    candidates are timed against each other: candidate -> {"NxK": variant}."""
+    candidates are timed against each other: candidate -> {"NxK": {"tactic": variant, "timings_us": ...}}."""
     if kind != "gemm" or requested not in ("auto", GEMV):
         return {}
     if not any(c.name == GEMV and c.supports(device, dtype) for c in candidates):
@@ -215,7 +216,13 @@ def _tune_tactics(
     for key, entry in report.items():
         log.info("gemm %s at 1 row: %s (%s)", key, entry["tactic"],
                  ", ".join(f"{n} {t:.1f} us" for n, t in entry["timings_us"].items()))
-    return {GEMV: {key: entry["tactic"] for key, entry in report.items()}}
+    return {GEMV: report}
+
+
+def record_tactics(choice: PluginChoice, report: dict[str, dict]) -> None:
+    """Put a tuning report ("NxK" -> {"tactic", "timings_us"}) into the engine's record of ``choice``."""
+    choice.tactics = {key: entry["tactic"] for key, entry in report.items()}
+    choice.tactic_timings_us = {key: entry["timings_us"] for key, entry in report.items()}
 
 
 def apply_tactics(plugins: dict[str, PluginChoice]) -> None:
@@ -225,6 +232,11 @@ def apply_tactics(plugins: dict[str, PluginChoice]) -> None:
         from plugins.gemm_decode import set_tactics
 
         set_tactics(gemm.tactics)
+    fp8 = plugins.get("gemm_fp8")
+    if fp8 is not None and fp8.name == FP8_DECODE and fp8.tactics:
+        from plugins.quant_gemm_decode import set_fp8_tactics
+
+        set_fp8_tactics(fp8.tactics)
 
 
 def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> dict[str, PluginChoice]:
@@ -236,7 +248,7 @@ def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device,
         args = benchmark_inputs(kind, model, build, device, dtype)
         choices[kind] = choose(kind, build.plugin_for(kind), candidates, device, dtype, args, build.allow_fallback)
         if choices[kind].name in tactics:
-            choices[kind].tactics = tactics[choices[kind].name]
+            record_tactics(choices[kind], tactics[choices[kind].name])
         choices[kind].benchmark = BENCHMARKS[kind].format(tokens=min(build.max_num_tokens, 256))
         log.info("%s: %s (%s)", kind, choices[kind].name, ", ".join(f"{n} {t:.0f} us" for n, t in choices[kind].timings_us.items()))
     return choices

@@ -33,9 +33,9 @@ import triton.language as tl
 from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
 from plugins.quant_gemm_decode_kernels import _float_gemv_step, _float_gemv_tile, _load_x, _write_tile
+from plugins import gemv_tactics
 from plugins.pdl import enter
 from plugins.registry import register_kernel
-from plugins.timing import graph_time_us
 
 MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
 
@@ -116,27 +116,12 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | Non
 
 # -- per-shape tactics: chosen by timing at build, recorded in the engine, set again at load --------
 
-# (N, K) -> tactic name: one process-wide table, like a GEMM library's heuristic cache, because a
-# weight's shape is all the kernel is called with. Shapes not in it run DEFAULT_CONFIG.
-_tactics: dict[tuple[int, int], str] = {}
-
-
-def shape_key(n: int, k: int) -> str:
-    return f"{n}x{k}"
+FORMAT = "dense"  # this kernel's table in plugins/gemv_tactics.py
 
 
 def set_tactics(tactics: dict[str, str]) -> None:
     """Install per-shape tactics (``shape_key`` -> a TACTICS name or ``CUBLAS``), e.g. from an engine."""
-    parsed = {}
-    for key, name in tactics.items():
-        if name != CUBLAS and name not in TACTICS:
-            raise ValueError(f"unknown GEMV tactic {name!r} for {key}; known: {[CUBLAS, *TACTICS]}")
-        n, k = (int(v) for v in key.split("x"))
-        parsed[(n, k)] = name
-    _tactics.update(parsed)
-
-
-TUNE_BYTES = 256 << 20  # weight copies a shape is timed over: well past an H200's 60 MB of L2
+    gemv_tactics.install(FORMAT, tactics, [CUBLAS, *TACTICS])
 
 
 def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
@@ -144,21 +129,14 @@ def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: tor
 
     Returns ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
     """
-    gen = torch.Generator(device=device).manual_seed(0)
-    report = {}
-    for n, k in dict.fromkeys(shapes):
-        copies = max(1, -(-TUNE_BYTES // (2 * n * k)))
-        weights = [torch.randn(n, k, generator=gen, device=device, dtype=dtype) for _ in range(copies)]
-        x = torch.randn(1, k, generator=gen, device=device, dtype=dtype)
-        reps = max(1, 8 // copies)  # at least 8 calls a graph
-        timings = {CUBLAS: graph_time_us([lambda w=w: F.linear(x, w) for w in weights] * reps, device)}
-        for name, config in TACTICS.items():
-            timings[name] = graph_time_us([lambda w=w, c=config: dense_gemv(x, w, c) for w in weights] * reps, device)
-        best = min(timings, key=timings.__getitem__)
-        report[shape_key(n, k)] = {"tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()}}
-        del weights
-    set_tactics({key: entry["tactic"] for key, entry in report.items()})
-    return report
+    candidates = {CUBLAS: lambda x, w: F.linear(x, w)}
+    candidates.update({name: lambda x, w, c=config: dense_gemv(x, w, c) for name, config in TACTICS.items()})
+    return gemv_tactics.tune(
+        FORMAT, shapes, device, torch.finfo(dtype).bits / 8,
+        make_weight=lambda n, k, gen: (torch.randn(n, k, generator=gen, device=device, dtype=dtype),),
+        make_x=lambda k, gen: torch.randn(1, k, generator=gen, device=device, dtype=dtype),
+        candidates=candidates,
+    )
 
 
 @register_kernel(
@@ -174,7 +152,7 @@ def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> DecodeConfig | None:
     """The tiles for one row times ``weight``, or None when F.linear should run."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype or weight.stride(1) != 1:
         return None
-    tactic = _tactics.get((weight.shape[0], weight.shape[1]))
+    tactic = gemv_tactics.lookup(FORMAT, weight.shape[0], weight.shape[1])
     if tactic == CUBLAS:
         return None
     return TACTICS[tactic] if tactic else DEFAULT_CONFIG

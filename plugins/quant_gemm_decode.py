@@ -39,6 +39,7 @@ from functools import lru_cache
 import torch
 import triton
 
+from plugins import gemv_tactics
 from plugins.pdl import pdl_launch_args
 from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, decode_config, dot_config, resolve_split
 from plugins.quant_gemm_decode_kernels import (
@@ -208,11 +209,46 @@ def fp8_weight_only_decode(
     ``config`` as for ``w8a16_decode``.
     """
     n = weight.shape[0]
+    if config is None and x.shape[0] == 1:
+        tactic = gemv_tactics.lookup(FP8_FORMAT, n, weight.shape[1])
+        config = FP8_TACTICS[tactic] if tactic else None
     x, config, out = _prepare("fp8", x, n, out_dtype or x.dtype, config)
     if x.shape[0] == 0:
         return out
     kernel, constants = (_fp8_gemv_kernel, {}) if config.fma else (_weight_dot_kernel, {"PRECISION": _precision(x.dtype), "PER_CHANNEL": False})
     return _launch(kernel, config, x, out, n, x.shape[1], (weight, w_scale), (weight.stride(0),), **constants)
+
+
+# -- FP8 per-shape tactics (plugins/gemv_tactics.py): timed at build, installed at load -----
+
+FP8_FORMAT = "fp8"
+# The one-row GEMV tiles a build times per FP8 weight shape; the first is decode_config's default.
+FP8_TACTICS = {
+    f"n{n} k{k} w{w}": DecodeConfig(fma=True, block_n=n, block_k=k, num_warps=w, num_stages=1)
+    for n, k, w in ((32, 256, 4), (16, 512, 4), (64, 256, 4), (32, 512, 4), (64, 256, 8), (16, 256, 4), (32, 256, 2))
+}
+
+
+def set_fp8_tactics(tactics: dict[str, str]) -> None:
+    """Install per-shape FP8 GEMV tactics (``shape_key`` -> an FP8_TACTICS name), e.g. from an engine."""
+    gemv_tactics.install(FP8_FORMAT, tactics, FP8_TACTICS)
+
+
+def tune_fp8_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
+    """Time every FP8 GEMV tactic at one row on each (N, K) shape; install and return the fastest per shape."""
+
+    def make_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = (torch.randn(n, k, generator=gen, device=device) * 0.1).to(torch.float8_e4m3fn)
+        return weight, torch.ones(1, device=device)
+
+    candidates = {
+        name: lambda x, w, scale, c=config: fp8_weight_only_decode(x, w, scale, config=c)
+        for name, config in FP8_TACTICS.items()
+    }
+    return gemv_tactics.tune(
+        FP8_FORMAT, shapes, device, 1, make_weight,
+        lambda k, gen: torch.randn(1, k, generator=gen, device=device, dtype=dtype), candidates,
+    )
 
 
 # -- registered: small batches here, larger ones on the format's existing kernel ------------

@@ -17,11 +17,18 @@ from plugins.quant_gemm_decode_config import DecodeConfig
 from tests.conftest import TEST_DEVICE
 
 gemv = pytest.importorskip("plugins.gemm_decode")
+from plugins import gemv_tactics  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
 ON_GPU = TEST_DEVICE == "cuda"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def fresh_tactics(monkeypatch):
+    """An empty tactic table for the test, the process's own one back after it."""
+    monkeypatch.setattr(gemv_tactics, "_tables", {})
 
 
 def _operands(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,37 +72,33 @@ def test_gemv_refuses_what_it_cannot_compute():
         gemv.dense_gemv(x[:1, :8], w.t())
 
 
-def test_tactics_route_each_shape():
+def test_tactics_route_each_shape(fresh_tactics):
     """A shape set to cuBLAS runs F.linear, a named tactic runs the GEMV with its tiles; more rows run F.linear."""
     x, w = _operands(1, 48, 256, torch.float32)
     calls = []
     original = gemv.dense_gemv
     try:
         gemv.dense_gemv = lambda x, w, config=None: calls.append(config) or original(x, w, config)
-        gemv.set_tactics({gemv.shape_key(48, 256): "n16 k128 w8"})
+        gemv.set_tactics({gemv_tactics.shape_key(48, 256): "n16 k128 w8"})
         _check(gemv.linear_gemv(x, w), x, w)
         assert calls == [gemv.TACTICS["n16 k128 w8"]]
         wt = w.t().contiguous().t()  # the same values, not contiguous along K: F.linear takes it
         _check(gemv.linear_gemv(x, wt), x, wt)
-        gemv.set_tactics({gemv.shape_key(48, 256): gemv.CUBLAS})
+        gemv.set_tactics({gemv_tactics.shape_key(48, 256): gemv.CUBLAS})
         _check(gemv.linear_gemv(x, w), x, w)
         x2 = torch.cat([x, x])
         _check(gemv.linear_gemv(x2, w), x2, w)
         assert len(calls) == 1
     finally:
         gemv.dense_gemv = original
-        gemv._tactics.pop((48, 256), None)
-    with pytest.raises(ValueError, match="unknown GEMV tactic"):
+    with pytest.raises(ValueError, match="unknown dense GEMV tactic"):
         gemv.set_tactics({"8x8": "fastest"})
 
 
-def test_engine_tactics_are_installed_at_load():
+def test_engine_tactics_are_installed_at_load(fresh_tactics):
     choice = PluginChoice(name=GEMV, requested="auto", tactics={"24x16": "n32 k128 w4"})
-    try:
-        apply_tactics({"gemm": choice})
-        assert gemv._tactics[(24, 16)] == "n32 k128 w4"
-    finally:
-        gemv._tactics.pop((24, 16), None)
+    apply_tactics({"gemm": choice})
+    assert gemv_tactics.lookup("dense", 24, 16) == "n32 k128 w4"
 
 
 def test_gemm_selection_times_a_decode_layer_and_a_context_chunk():

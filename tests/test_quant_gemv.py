@@ -122,6 +122,52 @@ def test_fp8_weight_only_decode_matches_reference(case, dtype):
     _close(out, gemm_fp8(x, None, weight, w_scale, dtype), dtype)
 
 
+@pytest.mark.parametrize("tactic", list(decode.FP8_TACTICS))
+def test_every_fp8_tactic_matches_reference(tactic):
+    x, w = _operands(1, 200, 40, torch.float32)
+    weight, w_scale = qz.quantize_fp8_per_tensor(w)
+    out = decode.fp8_weight_only_decode(x, weight, w_scale, torch.float32, decode.FP8_TACTICS[tactic])
+    _close(out, gemm_fp8(x, None, weight, w_scale, torch.float32), torch.float32)
+
+
+def test_fp8_tactics_route_one_row_of_their_shape(monkeypatch):
+    from executor_svc.engine_file import PluginChoice
+    from executor_svc.kernel_selection import FP8_DECODE, apply_tactics
+    from plugins import gemv_tactics
+
+    monkeypatch.setattr(gemv_tactics, "_tables", {})
+    launched = []
+    launch = decode._launch
+    monkeypatch.setattr(decode, "_launch", lambda kernel, config, *a, **kw: launched.append(config) or launch(
+        kernel, config, *a, **kw))
+    apply_tactics({"gemm_fp8": PluginChoice(name=FP8_DECODE, requested="auto", tactics={"40x200": "n16 k512 w4"})})
+    x, w = _operands(3, 200, 40, torch.float32)
+    weight, w_scale = qz.quantize_fp8_per_tensor(w)
+    for rows in (1, 3):
+        out = decode.fp8_weight_only_decode(x[:rows], weight, w_scale, torch.float32)
+        _close(out, gemm_fp8(x[:rows], None, weight, w_scale, torch.float32), torch.float32)
+    assert (launched[0].block_n, launched[0].block_k) == (16, 512)  # one row: the shape's tactic
+    assert not launched[1].fma  # three rows: decode_config's tl.dot tiles, whatever the tactic says
+    other = _operands(1, 200, 48, torch.float32)[1]
+    decode.fp8_weight_only_decode(x[:1], *qz.quantize_fp8_per_tensor(other), torch.float32)
+    assert (launched[2].block_n, launched[2].block_k) == (32, 256)  # a shape without one: the default
+    with pytest.raises(ValueError, match="unknown fp8 GEMV tactic"):
+        decode.set_fp8_tactics({"8x8": "fastest"})
+
+
+@pytest.mark.skipif(not ON_GPU, reason="tactics are timed from CUDA graphs")
+def test_fp8_tactics_are_timed_per_shape_and_installed(monkeypatch):
+    from plugins import gemv_tactics
+
+    monkeypatch.setattr(gemv_tactics, "_tables", {})
+    report = decode.tune_fp8_tactics([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16)
+    assert set(report) == {"1024x4096", "4096x1024"}
+    for key, entry in report.items():
+        assert set(entry["timings_us"]) == set(decode.FP8_TACTICS)
+        assert entry["tactic"] == min(entry["timings_us"], key=entry["timings_us"].get)
+        assert gemv_tactics.lookup("fp8", *map(int, key.split("x"))) == entry["tactic"]
+
+
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
     x, w = _operands(3, 512, 40, torch.float32)
     q, scales = qz.quantize_int8_per_channel(w)
@@ -211,7 +257,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from plugins import quant_gemm_decode_kernels as K
+from plugins import gemm_decode as G, quant_gemm_decode_kernels as K
 
 def compile_one(kernel, pointers, constants, num_warps=4, num_stages=2):
     signature = {}
@@ -229,8 +275,9 @@ def pointers(x, w, scale="*fp32", zero=None):
         p["zero_ptr"] = zero
     return p
 
-gemv = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2}
-dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PRECISION": "tf32"}
+# PDL on: griddepcontrol compiles for sm_90 (the launch option itself is only a runtime attribute).
+gemv = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 2, "PDL": True}
+dot = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 2, "PRECISION": "tf32", "PDL": True}
 cases = []
 for x in ("*bf16", "*fp16"):
     for rows, even, prefetch in ((1, True, True), (2, False, False)):
@@ -240,6 +287,7 @@ for x in ("*bf16", "*fp16"):
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
              {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128}),
             ("fp8 gemv", K._fp8_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c}),
+            ("dense gemv", G._dense_gemv_kernel, pointers(x, x), {**gemv, **rows_c}),
         ]
     cases += [
         ("w8a16 dot", K._weight_dot_kernel, pointers(x, "*i8"), {**dot, "PER_CHANNEL": True}),
@@ -280,4 +328,4 @@ def test_decode_kernels_compile_for_hopper():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not report["failed"], report["failed"]
-    assert report["compiled"] == 20  # 2 dtypes x (3 GEMVs x 2 specializations + 4 tl.dot kernels)
+    assert report["compiled"] == 24  # 2 dtypes x (4 GEMVs x 2 specializations + 4 tl.dot kernels)

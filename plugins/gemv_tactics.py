@@ -1,0 +1,74 @@
+"""Per-shape tile choices ("tactics") of the decode GEMVs: timed at build, recorded, installed at load.
+
+A batch-1 GEMV is a read of its weight, and which tile streams a given
+(N, K) weight fastest depends on the shape (how many output tiles there are
+to spread over the SMs, how long K is) in ways a heuristic gets wrong by 5 to
+15%. So, like a GEMM library's heuristic cache, the build times each
+candidate tile on each of the model's weight shapes, keeps the fastest per
+shape in the engine (``plugins.<kind>.tactics``), and a load installs it
+again. One table per weight format ("dense" for 16-bit weights, "fp8"),
+process-wide, because a weight's shape is all the kernel is called with.
+Shapes not in the table run the format's default tile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from plugins.timing import graph_time_us
+
+TUNE_BYTES = 256 << 20  # weight copies a shape is timed over: well past an H200's 60 MB of L2
+
+_tables: dict[str, dict[tuple[int, int], str]] = {}
+
+
+def shape_key(n: int, k: int) -> str:
+    return f"{n}x{k}"
+
+
+def install(fmt: str, tactics: dict[str, str], known: Iterable[str]) -> None:
+    """Install ``shape_key`` -> tactic name for weights of format ``fmt``; names must be in ``known``."""
+    known = list(known)
+    parsed = {}
+    for key, name in tactics.items():
+        if name not in known:
+            raise ValueError(f"unknown {fmt} GEMV tactic {name!r} for {key}; known: {known}")
+        n, k = (int(v) for v in key.split("x"))
+        parsed[(n, k)] = name
+    _tables.setdefault(fmt, {}).update(parsed)
+
+
+def lookup(fmt: str, n: int, k: int) -> str | None:
+    """The tactic installed for an (N, K) weight of format ``fmt``, or None."""
+    return _tables.get(fmt, {}).get((n, k))
+
+
+def tune(
+    fmt: str, shapes: Iterable[tuple[int, int]], device: torch.device, bytes_per_weight: float,
+    make_weight: Callable[[int, int, torch.Generator], tuple], make_x: Callable[[int, torch.Generator], torch.Tensor],
+    candidates: dict[str, Callable[..., torch.Tensor]],
+) -> dict[str, dict]:
+    """Time every candidate at one row on each (N, K) shape; install the fastest per shape and return
+    ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
+
+    ``make_weight(n, k, generator)`` gives the weight's arguments as the candidates take them after x;
+    ``candidates[name](x, *weight)`` runs one.
+    """
+    gen = torch.Generator(device=device).manual_seed(0)
+    report = {}
+    for n, k in dict.fromkeys(shapes):
+        copies = max(1, -(-TUNE_BYTES // int(bytes_per_weight * n * k)))
+        weights = [make_weight(n, k, gen) for _ in range(copies)]
+        x = make_x(k, gen)
+        reps = max(1, 8 // copies)  # at least 8 calls a graph
+        timings = {
+            name: graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
+            for name, run in candidates.items()
+        }
+        best = min(timings, key=timings.__getitem__)
+        report[shape_key(n, k)] = {"tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()}}
+        del weights
+    install(fmt, {key: entry["tactic"] for key, entry in report.items()}, candidates)
+    return report
