@@ -32,11 +32,9 @@ import triton.language as tl
 
 from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
-from plugins.quant_gemm_decode_kernels import (
-    _float_gemv_step, _float_gemv_tile, _load_x, _prefetch_slice_to_l2, _write_tile,
-)
+from plugins.quant_gemm_decode_kernels import _float_gemv_step, _float_gemv_tile, _load_x, _write_tile
 from plugins import gemv_tactics
-from plugins.pdl import enter, l2_prefetch_bytes
+from plugins.pdl import enter
 from plugins.registry import register_kernel
 
 MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
@@ -46,13 +44,11 @@ MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tenso
 def _dense_gemv_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, L2_PREFETCH_STEPS: tl.constexpr = 0,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
                                                               BLOCK_K, EVEN_K)
-    if L2_PREFETCH_STEPS > 0 and EVEN_K:
-        _prefetch_slice_to_l2(w_ptr, rn, N, stride_wn, first, last, BLOCK_K, L2_PREFETCH_STEPS)
     # Row 0's products are summed over K once, after the loop; a second row (ROWS 2) keeps its own.
     acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -115,8 +111,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | Non
     if m == 0:
         return out
     config = resolve_split(config or DEFAULT_CONFIG, m, n, k, num_sms(x.device))
-    return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),),
-                   l2_prefetch_bytes=l2_prefetch_bytes(x.device))
+    return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),))
 
 
 # -- per-shape tactics: chosen by timing at build, recorded in the engine, set again at load --------

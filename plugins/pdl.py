@@ -75,17 +75,6 @@ def forced(enabled: bool) -> Iterator[None]:
         _forced = before
 
 
-L2_PREFETCH_MB = 16  # a GEMV's weight bytes asked of L2 at its start: what HBM delivers in a few microseconds
-
-
-def l2_prefetch_bytes(device: torch.device) -> int:
-    """Weight bytes a decode GEMV asks L2 for when it starts, spread over its programs (Hopper's bulk
-    prefetch, the same devices as PDL; 0 elsewhere). ``INFLIGHT_L2_PREFETCH_MB`` sets it (0 turns it off)."""
-    if not pdl_supported(device):
-        return 0
-    return int(float(os.environ.get("INFLIGHT_L2_PREFETCH_MB", L2_PREFETCH_MB)) * (1 << 20))
-
-
 def pdl_launch_args(device: torch.device) -> dict:
     """Keyword arguments for a kernel launch: the kernel's ``PDL`` constant, and the launch option with it."""
     return {"PDL": True, "launch_pdl": True} if pdl_enabled(device) else {"PDL": False}

@@ -40,7 +40,7 @@ import torch
 import triton
 
 from plugins import gemv_tactics
-from plugins.pdl import l2_prefetch_bytes, pdl_launch_args
+from plugins.pdl import pdl_launch_args
 from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, decode_config, dot_config, resolve_split
 from plugins.quant_gemm_decode_kernels import (
     _fp8_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel,
@@ -85,14 +85,12 @@ def _split_locks(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 def _launch(
     kernel, config: DecodeConfig, x: torch.Tensor, out: torch.Tensor, n: int, k: int, tensors: tuple, strides: tuple,
-    l2_prefetch_bytes: int | None = None, **constants,
+    **constants,
 ) -> torch.Tensor:
     """Run ``kernel`` over (N tiles, K splits, M tiles) with the split-K scratch it needs; returns ``out``.
 
     Kernel arguments: x, ``tensors``, out, partials, counters, M, N, K, x's row stride, ``strides``, out's
-    row stride, K steps per split, then the constants. ``l2_prefetch_bytes`` (kernels that take
-    L2_PREFETCH_STEPS): the weight bytes the whole grid asks L2 for at its start, spread evenly over its
-    programs as a number of K steps each (0: none).
+    row stride, K steps per split, then the constants.
     """
     m = x.shape[0]
     row_tiles = 1 if config.fma else triton.cdiv(m, DOT_BLOCK_M)
@@ -105,9 +103,6 @@ def _launch(
     steps_per_split = triton.cdiv(steps, split)
     split = triton.cdiv(steps, steps_per_split)  # no empty split
     partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    if l2_prefetch_bytes is not None:
-        step_bytes = n_tiles * split * row_tiles * config.block_n * config.block_k * tensors[0].element_size()
-        constants["L2_PREFETCH_STEPS"] = min(steps_per_split, l2_prefetch_bytes // step_bytes)
     if config.fma:  # K a multiple of the step: the GEMV kernels load without K masks
         rows = {"ROWS": m, "BLOCK_M": triton.next_power_of_2(m), "EVEN_K": k % config.block_k == 0,
                 "PREFETCH": config.num_stages > 1}
@@ -220,7 +215,7 @@ def fp8_weight_only_decode(
     x, config, out = _prepare("fp8", x, n, out_dtype or x.dtype, config)
     if x.shape[0] == 0:
         return out
-    kernel, constants = (_fp8_gemv_kernel, {"l2_prefetch_bytes": l2_prefetch_bytes(x.device)}) if config.fma else (_weight_dot_kernel, {"PRECISION": _precision(x.dtype), "PER_CHANNEL": False})
+    kernel, constants = (_fp8_gemv_kernel, {}) if config.fma else (_weight_dot_kernel, {"PRECISION": _precision(x.dtype), "PER_CHANNEL": False})
     return _launch(kernel, config, x, out, n, x.shape[1], (weight, w_scale), (weight.stride(0),), **constants)
 
 

@@ -100,22 +100,6 @@ def _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N: tl.conste
 
 
 @triton.jit
-def _prefetch_slice_to_l2(w_ptr, rn, N, stride_wn, first, last, BLOCK_K: tl.constexpr, STEPS: tl.constexpr):
-    """Ask L2 for the first ``STEPS`` K steps of this program's weight slice (rows ``rn``, steps from
-    ``first``, never past ``last``, within K) with one Hopper bulk prefetch per row. The bytes stream in
-    while the program waits for its predecessor (whose short kernels leave HBM idle) and while its first
-    steps load. Rows past N repeat the last row (a prefetch stays inside the tensor)."""
-    rows = tl.minimum(rn, N - 1)
-    start = w_ptr + rows.to(tl.int64) * stride_wn + first * BLOCK_K
-    steps = tl.minimum(last - first, STEPS)
-    nbytes = tl.zeros_like(rows) + steps * (BLOCK_K * w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [start, nbytes],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
 def _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      PREFETCH: tl.constexpr):
     """(this step's weights as float32, the weights to carry to the next step). With PREFETCH the next
@@ -443,13 +427,11 @@ def _w4a16_dot_kernel(
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, L2_PREFETCH_STEPS: tl.constexpr = 0,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     rm = tl.arange(0, BLOCK_M)
     rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
                                                               BLOCK_K, EVEN_K)
-    if L2_PREFETCH_STEPS > 0 and EVEN_K:
-        _prefetch_slice_to_l2(w_ptr, rn, N, stride_wn, first, last, BLOCK_K, L2_PREFETCH_STEPS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     enter(PDL)  # activations are read only after this
     for step in range(first, last):

@@ -286,8 +286,8 @@ for x in ("*bf16", "*fp16"):
             ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
              {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128}),
-            ("fp8 gemv", K._fp8_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "L2_PREFETCH_STEPS": 2}),
-            ("dense gemv", G._dense_gemv_kernel, pointers(x, x), {**gemv, **rows_c, "L2_PREFETCH_STEPS": 2}),
+            ("fp8 gemv", K._fp8_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c}),
+            ("dense gemv", G._dense_gemv_kernel, pointers(x, x), {**gemv, **rows_c}),
         ]
     cases += [
         ("w8a16 dot", K._weight_dot_kernel, pointers(x, "*i8"), {**dot, "PER_CHANNEL": True}),
