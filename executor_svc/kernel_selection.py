@@ -12,6 +12,7 @@ the engine's cache dtype (1-byte for an FP8 / INT8 cache).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import statistics
 import time
@@ -200,43 +201,46 @@ def choose(
     return PluginChoice(name=best, requested="auto", timings_us=timings, note="; ".join(refused))
 
 
-def _tune_tactics(
+# Candidates with per-shape variants (tactics), by kind: (candidate, its module, the function that times
+# the variants on weight shapes and installs the fastest, the one that installs recorded ones).
+TACTIC_KERNELS = {
+    "gemm": (GEMV, "plugins.gemm_decode", "tune_tactics", "set_tactics"),
+    "gemm_fp8": (FP8_DECODE, "plugins.quant_gemm_decode", "tune_fp8_tactics", "set_fp8_tactics"),
+}
+
+
+def tune_tactics(
     kind: str, requested: str, candidates: list[KernelSpec], model: ModelConfig, device: torch.device,
     dtype: torch.dtype,
 ) -> dict[str, dict[str, dict]]:
     """Per-shape variants of the candidates that have them, timed on the model's weight shapes before the
     candidates are timed against each other: candidate -> {"NxK": {"tactic": variant, "timings_us": ...}}."""
-    if kind != "gemm" or requested not in ("auto", GEMV):
+    if kind not in TACTIC_KERNELS:
         return {}
-    if not any(c.name == GEMV and c.supports(device, dtype) for c in candidates):
+    name, module, tune, _ = TACTIC_KERNELS[kind]
+    if requested not in ("auto", name) or not any(c.name == name and c.supports(device, dtype) for c in candidates):
         return {}
-    from plugins.gemm_decode import tune_tactics
-
-    report = tune_tactics(linear_shapes(model), device, dtype)
+    report = getattr(importlib.import_module(module), tune)(linear_shapes(model), device, dtype)
     for key, entry in report.items():
-        log.info("gemm %s at 1 row: %s (%s)", key, entry["tactic"],
+        log.info("%s %s at 1 row: %s (%s)", kind, key, entry["tactic"],
                  ", ".join(f"{n} {t:.1f} us" for n, t in entry["timings_us"].items()))
-    return {GEMV: report}
+    return {name: report}
 
 
-def record_tactics(choice: PluginChoice, report: dict[str, dict]) -> None:
-    """Put a tuning report ("NxK" -> {"tactic", "timings_us"}) into the engine's record of ``choice``."""
-    choice.tactics = {key: entry["tactic"] for key, entry in report.items()}
-    choice.tactic_timings_us = {key: entry["timings_us"] for key, entry in report.items()}
+def record_tactics(choice: PluginChoice, tactics: dict[str, dict[str, dict]]) -> None:
+    """Put the chosen candidate's tuning report (from ``tune_tactics``) into the engine's record of it."""
+    report = tactics.get(choice.name)
+    if report:
+        choice.tactics = {key: entry["tactic"] for key, entry in report.items()}
+        choice.tactic_timings_us = {key: entry["timings_us"] for key, entry in report.items()}
 
 
 def apply_tactics(plugins: dict[str, PluginChoice]) -> None:
     """Install the per-shape variants an engine's chosen kernels were built with (before they run)."""
-    gemm = plugins.get("gemm")
-    if gemm is not None and gemm.name == GEMV and gemm.tactics:
-        from plugins.gemm_decode import set_tactics
-
-        set_tactics(gemm.tactics)
-    fp8 = plugins.get("gemm_fp8")
-    if fp8 is not None and fp8.name == FP8_DECODE and fp8.tactics:
-        from plugins.quant_gemm_decode import set_fp8_tactics
-
-        set_fp8_tactics(fp8.tactics)
+    for kind, (name, module, _, install) in TACTIC_KERNELS.items():
+        choice = plugins.get(kind)
+        if choice is not None and choice.name == name and choice.tactics:
+            getattr(importlib.import_module(module), install)(choice.tactics)
 
 
 def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> dict[str, PluginChoice]:
@@ -244,11 +248,10 @@ def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device,
     choices = {}
     for kind in PLUGIN_KINDS:
         candidates = [spec for spec in registered if spec.kind == kind]
-        tactics = _tune_tactics(kind, build.plugin_for(kind), candidates, model, device, dtype)
+        tactics = tune_tactics(kind, build.plugin_for(kind), candidates, model, device, dtype)
         args = benchmark_inputs(kind, model, build, device, dtype)
         choices[kind] = choose(kind, build.plugin_for(kind), candidates, device, dtype, args, build.allow_fallback)
-        if choices[kind].name in tactics:
-            record_tactics(choices[kind], tactics[choices[kind].name])
+        record_tactics(choices[kind], tactics)
         choices[kind].benchmark = BENCHMARKS[kind].format(tokens=min(build.max_num_tokens, 256))
         log.info("%s: %s (%s)", kind, choices[kind].name, ", ".join(f"{n} {t:.0f} us" for n, t in choices[kind].timings_us.items()))
     return choices

@@ -25,7 +25,7 @@ from torch import nn
 from executor_svc.build_config import BuildConfig
 from executor_svc.engine_file import PluginChoice
 from executor_svc.kernel_selection import (
-    FP8_DECODE, REFERENCE, BenchArgs, PluginUnavailableError, choose, linear_shapes, record_tactics, time_kernel,
+    REFERENCE, BenchArgs, PluginUnavailableError, choose, record_tactics, time_kernel, tune_tactics,
 )
 from executor_svc.model.config import ModelConfig
 from executor_svc.quantization.layer_plan import ALGO_FORMATS
@@ -87,25 +87,6 @@ def _runnable_here(spec: KernelSpec, device: torch.device) -> bool:
     return spec.kind not in FP8_KINDS or spec.name == REFERENCE or scaled_mm_supported(device)
 
 
-def _tune_fp8_tactics(
-    kind: str, requested: str, runnable: list[KernelSpec], model: ModelConfig, device: torch.device,
-    dtype: torch.dtype,
-) -> dict[str, dict]:
-    """The FP8 GEMV's tile per weight shape ("NxK" -> {"tactic", "timings_us"}), timed before the candidates
-    are compared (so the Triton one is timed with its tiles); {} where it is not a candidate."""
-    if kind != "gemm_fp8" or requested not in ("auto", FP8_DECODE):
-        return {}
-    if not any(spec.name == FP8_DECODE and spec.supports(device, dtype) for spec in runnable):
-        return {}
-    from plugins.quant_gemm_decode import tune_fp8_tactics
-
-    report = tune_fp8_tactics(linear_shapes(model), device, dtype)
-    for key, entry in report.items():
-        log.info("gemm_fp8 %s at 1 row: %s (%s)", key, entry["tactic"],
-                 ", ".join(f"{n} {t:.1f} us" for n, t in entry["timings_us"].items()))
-    return report
-
-
 def select_quant_plugins(
     model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype
 ) -> dict[str, PluginChoice]:
@@ -129,10 +110,9 @@ def select_quant_plugins(
         reference = next(spec for spec in candidates if spec.name == REFERENCE)
         choice = PluginChoice(REFERENCE, requested, {REFERENCE: time_kernel(reference.fn, args, device)}, True, why)
     else:
-        tactics = _tune_fp8_tactics(kind, requested, runnable, model, device, dtype)
+        tactics = tune_tactics(kind, requested, runnable, model, device, dtype)
         choice = choose(kind, requested, candidates, device, dtype, args, build.allow_fallback)
-        if choice.name == FP8_DECODE and tactics:
-            record_tactics(choice, tactics)
+        record_tactics(choice, tactics)
     tokens = " + ".join(map(str, benchmark_tokens(kind, build)))
     choice.benchmark = f"{algo} q/k/v projection layer, {tokens} tokens"
     log.info("%s: %s (%s)", kind, choice.name, ", ".join(f"{n} {t:.0f} us" for n, t in choice.timings_us.items()))
