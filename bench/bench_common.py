@@ -101,12 +101,15 @@ def device_info(device: str) -> dict:
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
         info["cuda"] = torch.version.cuda
-        import triton
+        try:
+            import triton
 
-        from plugins.pdl import pdl_enabled
-
-        info["triton"] = triton.__version__
-        info["programmatic_dependent_launch"] = pdl_enabled(torch.device(device))
+            from plugins.pdl import pdl_enabled
+        except ImportError:  # no Triton: no Triton kernel runs, none with PDL
+            info["triton"], info["programmatic_dependent_launch"] = None, False
+        else:
+            info["triton"] = triton.__version__
+            info["programmatic_dependent_launch"] = pdl_enabled(torch.device(device))
     cpu_model = platform.processor() or None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

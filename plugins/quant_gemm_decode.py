@@ -24,6 +24,11 @@ rows: at decode sizes the per-token activation quantization costs more
 kernels than the GEMM saves. The choice is made on the host from the shape,
 so each captured decode graph holds one path.
 
+FP8 GEMV tiles are chosen per weight shape at build (``tune_fp8_tactics``, timed from CUDA graphs,
+recorded in the engine, installed at load by ``set_fp8_tactics``; plugins/gemv_tactics.py), as the
+16-bit GEMV's are. Every kernel here is launched with programmatic dependent launch where the GPU has
+it (plugins/pdl.py): it waits for the previous kernel only before reading activations.
+
 Split-K scratch: each launch allocates its float32 partials (from the caching
 allocator, so no kernel runs), and the per-tile arrival counters live in one
 zeroed int32 buffer per device, reset by the kernels themselves. Launches
@@ -206,7 +211,8 @@ def fp8_weight_only_decode(
 ) -> torch.Tensor:
     """x [M, K] 16-bit or float32 (not quantized), weight [N, K] float8_e4m3fn, w_scale [1] -> [M, N].
 
-    ``config`` as for ``w8a16_decode``.
+    ``config`` as for ``w8a16_decode``; without one, a single row runs the tile installed for the weight's
+    shape (``set_fp8_tactics``), if any.
     """
     n = weight.shape[0]
     if config is None and x.shape[0] == 1:
