@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import shlex
 import statistics
 import sys
 import time
@@ -165,7 +166,8 @@ def run_generate(args) -> dict:
         from inflight.cli import main as inflight_main
 
         started = time.perf_counter()
-        if inflight_main(["train-draft", str(engine_dir), "--device", "cuda" if args.device.startswith("cuda") else "cpu"]):
+        device = "cuda" if args.device.startswith("cuda") else "cpu"
+        if inflight_main(["train-draft", str(engine_dir), "--device", device, *shlex.split(args.train_draft_args)]):
             raise SystemExit("training draft heads failed")
         train_seconds = time.perf_counter() - started
     base = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction))
@@ -449,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--switch-interval-ms", type=float, default=0.0,
                      help="Python's GIL switch interval for this run (0 = leave the default, 5 ms)")
     gen.add_argument("--train-heads", action="store_true", help="run `inflight train-draft` on the engine first")
+    gen.add_argument("--train-draft-args", default="", help="extra arguments for `inflight train-draft`, one string")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
     cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--num-draft-tokens", type=int, default=4)
         p.add_argument("--ngram-min", type=int, default=2)
         p.add_argument("--ngram-max", type=int, default=4)
-        p.add_argument("--speculative-rounds", type=int, default=8, help="ngram: most verification rounds chained per step")
+        p.add_argument("--speculative-rounds", type=int, default=8, help="ngram and draft heads: most verification rounds chained per step")
         p.add_argument("--max-num-tokens", type=int, default=8192)
         p.add_argument("--max-seq-len", type=int, default=4096)
         p.add_argument("--tokens-per-block", type=int, default=16)

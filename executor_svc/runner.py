@@ -118,12 +118,17 @@ class ModelRunner:
         self.max_draft_tokens = 0
         if self.proposer is not None:  # draft heads can guess no further than they have heads
             self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
-        # Verification rounds one step may chain: they draft on the device, which prompt lookup can.
-        self.max_rounds = engine.speculative.device_rounds if isinstance(self.proposer, NgramLookup) else 1
+        # Verification rounds one step may chain: they draft on the device, which prompt lookup and draft heads can.
+        self.max_rounds = engine.speculative.device_rounds if self.proposer is not None else 1
         self.rounds = None
         if self.max_rounds > 1:
+            chain, ngram_sizes = None, (1, 1)
+            if isinstance(self.proposer, NgramLookup):
+                ngram_sizes = (self.proposer.min_n, self.proposer.max_n)
+            else:  # draft heads; a chained step holds at most max_batch_size / (1 + k) requests
+                chain = self.proposer.device_chain(engine.max_batch_size // 2)
             self.rounds = RoundsRunner(engine.model, engine.kv_cache, engine.decode_graphs, self.tokens_per_block,
-                                       (self.proposer.min_n, self.proposer.max_n))
+                                       ngram_sizes, chain)
             self.rounds.warm_up(range(1, self.max_draft_tokens + 1))
         # Short context chunks run as single-token rows when that makes the step a graph replay
         # (packed_forward.short_chunks_as_rows); 0 keeps every chunk a tile set.
@@ -347,9 +352,16 @@ class ModelRunner:
             for request_id, state, _ in step.scheduled
         ]
         forward_start = time.perf_counter()
-        step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds)
+        # Draft heads also draft the next step's first round here: as many as any request will ask for.
+        next_drafts = 0
+        if self.rounds.chain is not None:
+            next_drafts = min(self.max_draft_tokens, max(state.num_drafts_to_propose for _, state, _ in step.scheduled))
+        step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds, next_drafts)
         rounds = step.rounds
-        step.host_values = torch.cat([rounds.tokens.flatten(), rounds.accepted.flatten(), rounds.drafted[:-1].flatten()])
+        parts = [rounds.tokens.flatten(), rounds.accepted.flatten(), rounds.drafted[:-1].flatten()]
+        if rounds.next_drafts is not None:
+            parts.append(rounds.next_drafts.flatten())
+        step.host_values = torch.cat(parts)
         if self.device.type == "cuda":
             step.sampled_host = torch.empty(step.host_values.shape, dtype=torch.int64, pin_memory=True)
             step.sampled_host.copy_(step.host_values, non_blocking=True)
@@ -371,14 +383,20 @@ class ModelRunner:
         split = rounds * batch * rows
         tokens = [[values[(r * batch + b) * rows : (r * batch + b + 1) * rows] for b in range(batch)] for r in range(rounds)]
         accepted = [values[split + r * batch : split + (r + 1) * batch] for r in range(rounds)]
-        drafted = values[split + rounds * batch :]  # [rounds, B] flattened
+        drafted = values[split + rounds * batch : split + 2 * rounds * batch]  # [rounds, B] flattened
+        next_drafts = values[split + 2 * rounds * batch :]  # [B, k'] flattened: the heads' drafts for the next step
+        width = len(next_drafts) // batch
         for b, (request_id, state, count) in enumerate(step.scheduled):
             emitted, per_round = emitted_tokens(tokens, accepted, b)
             state.num_computed_tokens -= count - len(emitted)  # the rejected rows' KV is stale
             state.verifying = False
             self._emit(request_id, state, emitted, sum(per_round), 0, step.result.outputs, to_draft)
-            step.result.outputs[-1].round_accepted = per_round
-            step.result.outputs[-1].round_drafted = drafted[b::batch]
+            output = step.result.outputs[-1]
+            output.round_accepted = per_round
+            output.round_drafted = drafted[b::batch]
+            if width and to_draft and to_draft[-1][0] is output:  # drafted on the device already
+                to_draft.pop()
+                output.next_draft_token_ids = next_drafts[b * width : b * width + state.num_drafts_to_propose]
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""

@@ -1,4 +1,4 @@
-"""``inflight train-draft``: Medusa-style draft heads for an engine, by self-distillation.
+"""``inflight train-draft``: draft heads for an engine (recurrent EAGLE-style or Medusa), by self-distillation.
 
 The heads are written next to the engine (``draft_heads.safetensors`` and
 ``draft_heads.json``); ``inflight serve --speculative draft_heads`` uses them.
@@ -16,16 +16,27 @@ def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     from executor_svc.speculative.train_heads import DistillConfig
 
     d = DistillConfig()
-    p = subparsers.add_parser("train-draft", help="train Medusa-style draft heads for an engine (speculative decoding)")
+    p = subparsers.add_parser("train-draft", help="train draft heads for an engine (speculative decoding)")
     p.add_argument("engine_dir", help="engine folder; the heads are saved in it")
-    p.add_argument("--num-heads", type=int, default=d.num_heads, help="heads: most draft tokens per step")
+    p.add_argument("--kind", default=d.kind, choices=["recurrent", "medusa"],
+                   help="recurrent: one block that steps the target's hidden state a token at a time (EAGLE-style); "
+                        "medusa: one independent head per draft position")
+    p.add_argument("--num-heads", type=int, default=d.num_heads,
+                   help="most draft tokens per step (Medusa heads, or the recurrent head's chain depth)")
     p.add_argument("--data", default=d.data, metavar="FILE",
-                   help="training texts, one per line (default: the built-in stdlib-docstring corpus)")
+                   help="training texts, one per line: chat requests with --chat (default: built-in requests), "
+                        "documents with --no-chat (default: the built-in stdlib-docstring corpus)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=d.chat,
+                   help="the texts are user requests: wrap each in the chat template and train on the target's "
+                        "greedy answers (what the heads draft when serving chat)")
     p.add_argument("--num-texts", type=int, default=d.num_texts, help="training texts")
     p.add_argument("--max-tokens-per-text", type=int, default=d.max_tokens_per_text, help="tokens kept per text")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (cosine-decayed)")
+    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip gradients to this norm")
     p.add_argument("--batch-rows", type=int, default=d.batch_rows, help="positions per minibatch")
+    p.add_argument("--hidden-loss-weight", type=float, default=d.hidden_loss_weight,
+                   help="recurrent head: weight of predicting the target's next hidden state (0 = KL only)")
     p.add_argument("--self-generate", action=argparse.BooleanOptionalAction, default=d.self_generate,
                    help="train on the target's own greedy continuations of the texts' first tokens (what the heads "
                         "see when serving; one decode step per token); --no-self-generate: the texts as they are")
@@ -46,9 +57,10 @@ def run_train_draft(args: argparse.Namespace) -> int:
     engine_dir = Path(args.engine_dir)
     try:
         config = DistillConfig(
-            num_heads=args.num_heads, data=args.data, num_texts=args.num_texts,
+            num_heads=args.num_heads, kind=args.kind, data=args.data, chat=args.chat, num_texts=args.num_texts,
             max_tokens_per_text=args.max_tokens_per_text, self_generate=args.self_generate, epochs=args.epochs,
-            lr=args.lr, batch_rows=args.batch_rows, num_eval_texts=args.num_eval_texts, seed=args.seed,
+            lr=args.lr, max_grad_norm=args.max_grad_norm, batch_rows=args.batch_rows, hidden_loss_weight=args.hidden_loss_weight,
+            num_eval_texts=args.num_eval_texts, seed=args.seed,
         )
         manifest = read_manifest(engine_dir)
         device = "auto" if args.device == "auto" else str(resolve_device("cuda:0" if args.device == "cuda" else "cpu"))
@@ -64,22 +76,27 @@ def run_train_draft(args: argparse.Namespace) -> int:
         print(f"inflight train-draft: {exc}", file=sys.stderr)
         return 2
     path = save_draft_heads(heads, engine_dir, report.to_json())
-    print(format_report(path, heads.num_heads, engine.model_config.hidden_size, report))
+    print(format_report(path, heads, report))
     return 0
 
 
-def format_report(path: Path, num_heads: int, hidden_size: int, report) -> str:  # report: DistillReport
-    """What the CLI prints: where the heads went, what they were trained on, and per-head agreement."""
+def format_report(path: Path, heads, report) -> str:  # heads: AnyDraftHeads, report: DistillReport
+    """What the CLI prints: where the heads went, what they were trained on, and per-draft agreement."""
     losses = f"{report.epoch_losses[0]:.3f} -> {report.epoch_losses[-1]:.3f}" if report.epoch_losses else "n/a"
+    h, k = heads.hidden_size, heads.num_heads
+    shape = (f"{k} heads of {h}x{h}" if heads.kind == "medusa"
+             else f"one recurrent block [{h}+{h}] -> {heads.intermediate_size} -> {h}, chains of up to {k} drafts")
     lines = [
-        f"draft heads {path} ({num_heads} heads of {hidden_size}x{hidden_size} + the target's lm_head)",
+        f"draft heads {path} ({heads.kind}: {shape}, + the target's lm_head)",
         f"trained on  {report.num_texts} texts, {report.num_tokens} tokens of {report.data}",
-        f"training    {report.epochs} epochs, lr {report.lr:g}, loss (KL) per epoch {losses}, {report.seconds:.1f} s",
+        f"training    {report.epochs} epochs, lr {report.lr:g}, loss per epoch {losses}, {report.seconds:.1f} s",
         f"agreement   top-1 with the target's greedy token on {report.eval_data}: untrained -> trained",
     ]
     for i, (before, after, positions) in enumerate(
         zip(report.agreement_before, report.agreement_after, report.eval_positions)
     ):
-        lines.append(f"  head {i} (token t+{i + 2})  {before:6.1%} -> {after:6.1%}   ({positions} positions)")
+        lines.append(f"  draft {i} (token t+{i + 2})  {before:6.1%} -> {after:6.1%}   ({positions} positions)")
+    lines.append(f"accepted    per step with {k} drafts (greedy chain, held-out): "
+                 f"{report.mean_accepted_before:.2f} -> {report.mean_accepted_after:.2f}")
     lines.append("serve with  --speculative draft_heads")
     return "\n".join(lines)

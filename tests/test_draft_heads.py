@@ -1,6 +1,7 @@
-"""Medusa-style draft heads: what untrained heads propose, that self-distillation
-makes them agree with the target more often on held-out text, their files, and
-``inflight train-draft`` end to end.
+"""Draft heads (Medusa and the recurrent EAGLE-style head): what untrained heads
+propose, that self-distillation makes them agree with the target more often on
+held-out text, that the recurrent head's training and serving paths agree,
+their files, and ``inflight train-draft`` end to end.
 
 Training here is deliberately small (16 short texts, a few epochs on the real
 SmolLM2 weights): enough to measure a real rise in agreement, not to reach
@@ -20,7 +21,7 @@ from tests.conftest import TEST_DEVICE, tiny_llama_config
 from executor_svc.quantization.corpus import encode_texts, held_out_texts
 from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.draft_heads import (
-    DraftHeads, heads_meta_path, heads_path, load_draft_heads, save_draft_heads,
+    DraftHeads, RecurrentDraftHead, heads_meta_path, heads_path, load_draft_heads, save_draft_heads,
 )
 from executor_svc.speculative.train_heads import (
     DistillConfig, collect_hidden, distill_heads, head_agreement, self_generate,
@@ -28,8 +29,8 @@ from executor_svc.speculative.train_heads import (
 from inflight.train_draft import add_train_draft_parser, run_train_draft
 
 SMALL_RUN = DistillConfig(
-    num_heads=2, num_texts=16, max_tokens_per_text=96, epochs=3, lr=3e-3, batch_rows=32, num_eval_texts=6,
-    self_generate=False,  # one forward per text keeps this quick on a CPU; the command's test generates
+    num_heads=2, kind="medusa", chat=False, num_texts=16, max_tokens_per_text=96, epochs=3, lr=3e-3, batch_rows=32,
+    num_eval_texts=6, self_generate=False,  # one forward per text keeps this quick on a CPU; the command's test generates
 )
 
 
@@ -102,7 +103,7 @@ def test_agreement_counts_what_each_head_gets_right(engine, trained, held_out_hi
                     if t + 1 + i < hidden.shape[0]:
                         hits[i] += int(logits[i].argmax()) == greedy[t + 1 + i]
                         counts[i] += 1
-    agreement, positions = head_agreement(heads, engine.model, held_out_hidden)
+    agreement, positions, _ = head_agreement(heads, engine.model, held_out_hidden)
     assert positions == counts
     assert agreement == pytest.approx([h / c for h, c in zip(hits, counts)], abs=1e-4)
     assert agreement[0] > 0  # the trained heads do name some tokens right
@@ -157,15 +158,91 @@ def test_train_draft_command_writes_heads_the_engine_can_load(tiny_engine_dir, t
 
     assert run_train_draft(_cli(str(tmp_path), "--device", "cpu")) == 2  # not an engine folder
     assert "not an engine folder" in capsys.readouterr().err
-    argv = ["--num-heads", "2", "--num-texts", "4", "--max-tokens-per-text", "40", "--epochs", "1",
-            "--num-eval-texts", "2", "--device", TEST_DEVICE]  # self-generated data, the default
+    argv = ["--num-heads", "2", "--num-texts", "4", "--max-tokens-per-text", "72", "--epochs", "1",
+            "--num-eval-texts", "2", "--device", TEST_DEVICE]  # the defaults: a recurrent head, chat answers
     assert run_train_draft(_cli(str(tiny_engine_dir), *argv)) == 0
     out = capsys.readouterr().out
-    assert "head 0 (token t+2)" in out and "head 1 (token t+3)" in out
+    assert "draft 0 (token t+2)" in out and "draft 1 (token t+3)" in out and "recurrent" in out
     meta = json.loads(heads_meta_path(tiny_engine_dir).read_text())
     training = meta["training"]
-    assert meta["num_heads"] == 2 and meta["hidden_size"] == 64 and training["self_generate"]
+    assert meta["kind"] == "recurrent" and meta["num_heads"] == 2 and meta["hidden_size"] == 64
+    assert training["self_generate"] and "chat" in training["data"] and "chat" in training["eval_data"]
     assert training["num_texts"] == 4 and len(training["agreement_after"]) == 2
+    # Only answer positions count: the first row of each text chooses its first answer token.
+    assert 4 <= training["num_tokens"] <= 4 * 72 - 4 * 30
     config = read_manifest(tiny_engine_dir).model
     heads = load_draft_heads(tiny_engine_dir, config, torch.device(TEST_DEVICE), torch.float32)
-    assert heads.num_heads == 2 and heads.weight.abs().sum() > 0  # trained, not the zero initialisation
+    assert isinstance(heads, RecurrentDraftHead) and heads.num_heads == 2
+    assert heads.w_out.abs().sum() > 0  # trained, not the zero initialisation
+    # Medusa heads and a bad kind through the same command.
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--kind", "medusa", "--no-chat", "--no-self-generate")) == 0
+    medusa = load_draft_heads(tiny_engine_dir, config, torch.device(TEST_DEVICE), torch.float32)
+    assert isinstance(medusa, DraftHeads) and medusa.weight.abs().sum() > 0
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--no-chat")) == 0  # docstring continuations
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--no-self-generate")) == 2  # chat needs answers
+    assert "self_generate" in capsys.readouterr().err
+
+
+# -- the recurrent (EAGLE-style) head ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def recurrent_trained(engine):
+    """A recurrent head distilled on the target's answers to 16 built-in chat requests (the default data, small)."""
+    config = DistillConfig(
+        num_heads=3, kind="recurrent", num_texts=24, max_tokens_per_text=128, epochs=4, lr=3e-3, batch_rows=32,
+        num_eval_texts=6,
+    )
+    return distill_heads(engine, config, progress=False)
+
+
+def test_untrained_recurrent_head_repeats_the_targets_choice(engine, held_out_hidden):
+    hidden = held_out_hidden[0]
+    head = RecurrentDraftHead(3, engine.model_config.hidden_size, engine.model_config.vocab_size).to(engine.device)
+    with torch.inference_mode():
+        greedy = engine.model.compute_logits(hidden).argmax(-1)
+        drafts = head.propose(hidden, engine.model, 3, greedy)
+    # W_out starts at zero: the state never moves, so every draft is the token the target just chose.
+    assert drafts.shape == (hidden.shape[0], 3) and torch.equal(drafts, greedy[:, None].expand(-1, 3))
+    with pytest.raises(ValueError, match="next_tokens"):
+        head.propose(hidden, engine.model, 2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        head.propose(hidden, engine.model, 4, greedy)
+
+
+def test_recurrent_training_and_serving_paths_agree(engine, recurrent_trained, held_out_hidden):
+    """Fed its own drafts, the teacher-forced training forward picks exactly what ``propose`` drafted."""
+    head, _ = recurrent_trained
+    hidden = held_out_hidden[1][:40]
+    with torch.inference_mode():
+        first = engine.model.compute_logits(hidden).argmax(-1)
+        drafts = head.propose(hidden, engine.model, 3, first)  # [N, 3]
+        fed = torch.cat([first[:, None], drafts[:, :2]], dim=1)  # step i is fed the token before draft i
+        logits, states = head(hidden, engine.model, fed)
+    assert states.shape == (40, 3, engine.model_config.hidden_size)
+    assert torch.equal(logits.argmax(-1), drafts)
+
+
+def test_recurrent_distillation_makes_chains_accepted(recurrent_trained):
+    head, report = recurrent_trained
+    assert report.kind == "recurrent" and report.epoch_losses[-1] < report.epoch_losses[0]
+    assert report.agreement_after[0] >= report.agreement_before[0] + 0.05, report
+    # Untrained, a chain is accepted only where the target repeats a token; trained, clearly more often.
+    assert report.mean_accepted_after > report.mean_accepted_before + 0.05, report
+
+
+def test_saved_recurrent_head_loads_back_with_identical_drafts(engine, recurrent_trained, held_out_hidden, tmp_path):
+    head, report = recurrent_trained
+    save_draft_heads(head, tmp_path, report.to_json())
+    meta = json.loads(heads_meta_path(tmp_path).read_text())
+    assert meta["kind"] == "recurrent" and meta["intermediate_size"] == 2 * engine.model_config.hidden_size
+    loaded = load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)
+    assert isinstance(loaded, RecurrentDraftHead)
+    hidden = torch.cat(held_out_hidden)
+    with torch.inference_mode():
+        first = engine.model.compute_logits(hidden).argmax(-1)
+    assert torch.equal(loaded.propose(hidden, engine.model, 3, first), head.propose(hidden, engine.model, 3, first))
+    meta["kind"] = "tree"  # a kind this version does not know
+    heads_meta_path(tmp_path).write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="unknown draft head kind 'tree'"):
+        load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)

@@ -140,6 +140,14 @@ def test_round_kernels_match_their_torch_reference():
         assert torch.equal(history_k, history) and torch.equal(lens_k, lens)
         next_drafts, real = ngram_drafts_on_device(history, lens, k, min_n, max_n, with_counts=True)
         assert torch.equal(drafts_k, next_drafts) and torch.equal(drafted_k[2], real)  # the next round's row
+        # With draft heads drafting next: the newest token, the row that chose it, k real guesses, drafts kept.
+        history_h, lens_h, drafts_h = history_k.clone(), lens.clone() - accepted - 1, drafts.clone()
+        last, rows_of = torch.full((batch + 1,), -1, device=device), torch.full((batch + 1,), -1, device=device)
+        round_verdict(target.flatten(), history_h, lens_h, drafts_h, tokens_k, accepted_k, drafted_k, 1, 1, 1,
+                      (last, rows_of))
+        assert torch.equal(lens_h, lens) and torch.equal(drafts_h, drafts) and (drafted_k[2] == k).all()
+        assert torch.equal(last[:batch], target.gather(1, accepted[:, None]).squeeze(1)) and last[batch] == -1
+        assert torch.equal(rows_of[:batch], torch.arange(batch, device=device) * (k + 1) + accepted)
 
 
 def _states(config: SamplingConfig, count: int, seed0: int = 0) -> list[RequestSamplingState]:
@@ -525,6 +533,28 @@ def test_draft_heads_speculation_gives_the_same_greedy_tokens(engine, tokenizer,
     assert len(stats.drafts.by_position) == 3  # the executor offers no more drafts than it has heads
 
 
+def test_recurrent_head_chained_rounds_give_the_same_greedy_tokens(engine, tokenizer, plain_outputs, tmp_path,
+                                                                   monkeypatch):
+    """A recurrent head drafting between chained rounds (and for the next step) changes nothing but speed."""
+    from executor_svc.speculative.draft_heads import RecurrentDraftHead, save_draft_heads
+
+    calls = _counting_rounds(monkeypatch)
+    torch.manual_seed(0)
+    head = RecurrentDraftHead(3, engine.model_config.hidden_size, engine.model_config.vocab_size)
+    with torch.no_grad():
+        head.w_out.normal_(std=0.002)  # a state that drifts a little: early drafts often right, later ones less
+    save_draft_heads(head, tmp_path, {"test": True})
+    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 3, max_rounds=3)
+    spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=speculative)
+    outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
+    assert outputs == plain_outputs
+    assert calls and max(rounds for _, _, rounds in calls) == 3
+    assert stats.drafts.num_accepted == sum(u.num_accepted_draft_tokens for u in usages) > 0
+    calls.clear()
+    alone, _, _ = _generate(spec, tokenizer, PROMPTS[:1])  # one request, the adaptive policy
+    assert alone == plain_outputs[len(COPY_PROMPTS) : len(COPY_PROMPTS) + 1] and calls
+
+
 def test_loading_a_draft_model_splits_the_kv_budget(engine_dir, random_draft_engine):
     """``RuntimeConfig.speculative`` with a draft engine: both caches get the same block count, paid from one budget."""
     from executor_svc.engine import RuntimeConfig, load_engine
@@ -548,9 +578,9 @@ def _counting_rounds(monkeypatch) -> list[tuple[int, int, int]]:
 
     calls, real = [], RoundsRunner.run
 
-    def counting(self, requests, num_drafts, num_rounds):
+    def counting(self, requests, num_drafts, num_rounds, next_drafts=0):
         calls.append((len(requests), num_drafts, num_rounds))
-        return real(self, requests, num_drafts, num_rounds)
+        return real(self, requests, num_drafts, num_rounds, next_drafts)
 
     monkeypatch.setattr(RoundsRunner, "run", counting)
     return calls

@@ -1,15 +1,25 @@
-"""Medusa-style draft heads on the target's final hidden state, and their files.
+"""Draft heads on the target's final hidden state, and their files.
 
-Medusa (Cai et al. 2024) puts K small heads on the hidden state h_t that the
-target's lm_head turns into its next token t + 1. Head i (i = 0..K-1) guesses
-the token at t + 2 + i. Each head is one residual block ``h + SiLU(W_i h + b_i)``
-followed by the target's own lm_head (``model.compute_logits``), which is
-shared and frozen: the heads add K x hidden x hidden parameters and no copy of
-the vocabulary projection. W and b start at zero, so an untrained head repeats
-the target's next-token prediction.
+Two kinds, both reading the hidden state h_t that the target's lm_head turns
+into its next token t + 1, and both sharing that lm_head (``model.compute_logits``),
+frozen, so neither adds a copy of the vocabulary projection:
+
+* ``medusa`` (Cai et al. 2024): K independent heads; head i (i = 0..K-1)
+  guesses the token at t + 2 + i from h_t alone. Each is one residual block
+  ``h + SiLU(W_i h + b_i)``. W and b start at zero, so an untrained head
+  repeats the target's next-token prediction.
+* ``recurrent`` (in the manner of EAGLE, Li et al. 2024, without its attention
+  layer): one block that predicts the target's *next* hidden state from the
+  current one and the token just chosen, ``s' = s + W_out SiLU(W_in [s; e(x)] + b_in) + b_out``
+  with ``e`` the target's own (frozen) token embedding. Drafting runs it k
+  times: s_0 = h_t and x_1 the token the target just emitted give s_1, whose
+  lm_head argmax is draft 1; draft 1 and s_1 give s_2; and so on. Because each
+  draft sees the one before it, later drafts stay coherent with earlier ones,
+  which independent Medusa heads cannot. W_out starts at zero, so an untrained
+  block keeps the state and repeats the target's next-token prediction.
 
 The heads live next to the engine they were trained for, as safetensors plus a
-small JSON that records their shape and how they were trained.
+small JSON that records their kind, shape and how they were trained.
 """
 
 from __future__ import annotations
@@ -24,11 +34,14 @@ from torch import nn
 
 HEADS_NAME = "draft_heads.safetensors"
 HEADS_META_NAME = "draft_heads.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added "kind" (files of version 1 are Medusa heads)
+HEAD_KINDS = ("recurrent", "medusa")
 
 
 class DraftHeads(nn.Module):
-    """K residual blocks sharing the target's lm_head; all heads run as one batched matmul."""
+    """Medusa: K residual blocks sharing the target's lm_head; all heads run as one batched matmul."""
+
+    kind = "medusa"
 
     def __init__(self, num_heads: int, hidden_size: int, vocab_size: int) -> None:
         super().__init__()
@@ -41,6 +54,11 @@ class DraftHeads(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, out, in]
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, out]
 
+    @property
+    def max_drafts(self) -> int:
+        """Most drafts one call proposes: one per head."""
+        return self.num_heads
+
     def head_states(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """Residual outputs of the first ``num_heads`` heads: hidden [N, H] -> [N, k, H] in the heads' dtype."""
         k = self.num_heads if num_heads is None else num_heads
@@ -48,12 +66,15 @@ class DraftHeads(nn.Module):
         update = torch.einsum("nh,koh->nko", x, self.weight[:k]) + self.bias[:k]  # [N, k, H]
         return x[:, None, :] + F.silu(update)
 
-    def forward(self, hidden: torch.Tensor, model: nn.Module) -> torch.Tensor:
-        """Logits of every head: hidden [N, H] (the target's dtype) -> [N, K, V] float32."""
+    def forward(self, hidden: torch.Tensor, model: nn.Module, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of every head: hidden [N, H] (the target's dtype) -> [N, K, V] float32. ``tokens`` is unused
+        (Medusa heads do not see the tokens they follow); it keeps one signature for both kinds."""
         return self._logits(hidden, model, self.num_heads)
 
     @torch.inference_mode()
-    def propose(self, hidden: torch.Tensor, model: nn.Module, num_tokens: int) -> torch.Tensor:
+    def propose(
+        self, hidden: torch.Tensor, model: nn.Module, num_tokens: int, next_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Greedy drafts of the first ``num_tokens`` heads: hidden [N, H] -> [N, num_tokens] int64."""
         if not 1 <= num_tokens <= self.num_heads:
             raise ValueError(f"num_tokens must be in [1, {self.num_heads}], got {num_tokens}")
@@ -64,6 +85,88 @@ class DraftHeads(nn.Module):
         rows = states.reshape(-1, self.hidden_size).to(hidden.dtype)  # the lm_head runs in the target's dtype
         logits = model.compute_logits(rows)  # [N * k, V] float32
         return logits.view(hidden.shape[0], k, logits.shape[-1])
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight, "bias": self.bias}
+
+
+class RecurrentDraftHead(nn.Module):
+    """One block that steps the target's hidden state forward a token at a time (EAGLE-style, no attention)."""
+
+    kind = "recurrent"
+
+    def __init__(self, max_drafts: int, hidden_size: int, vocab_size: int, intermediate_size: int = 0) -> None:
+        super().__init__()
+        if max_drafts < 1:
+            raise ValueError(f"max_drafts must be at least 1, got {max_drafts}")
+        self.num_heads = max_drafts  # the chain depth it was trained for; serving drafts no further
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        inner = intermediate_size or 2 * hidden_size
+        self.w_in = nn.Parameter(torch.randn(inner, 2 * hidden_size) / (2 * hidden_size) ** 0.5)
+        self.b_in = nn.Parameter(torch.zeros(inner))
+        self.w_out = nn.Parameter(torch.zeros(hidden_size, inner))
+        self.b_out = nn.Parameter(torch.zeros(hidden_size))
+
+    @property
+    def max_drafts(self) -> int:
+        return self.num_heads
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w_in.shape[0]
+
+    def step(self, state: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        """The predicted next hidden state: state [N, H], token_embedding [N, H] -> [N, H] in the head's dtype."""
+        x = torch.cat([state, token_embedding.to(state.dtype)], dim=-1)  # [N, 2H]
+        return state + F.linear(F.silu(F.linear(x, self.w_in, self.b_in)), self.w_out, self.b_out)
+
+    def forward(self, hidden: torch.Tensor, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced chain: hidden [N, H] and the tokens fed at each step [N, k] -> (logits [N, k, V]
+        float32, predicted states [N, k, H] in the head's dtype). Step i's state predicts the target's hidden
+        state i rows on, and its logits the token after tokens[:, i]."""
+        state = hidden.to(self.w_in.dtype)
+        embeddings = model.embed_tokens(tokens)  # [N, k, H] in the target's dtype
+        states = []
+        for i in range(tokens.shape[1]):
+            state = self.step(state, embeddings[:, i])
+            states.append(state)
+        stacked = torch.stack(states, dim=1)  # [N, k, H]
+        logits = model.compute_logits(stacked.reshape(-1, self.hidden_size).to(hidden.dtype))
+        return logits.view(hidden.shape[0], tokens.shape[1], -1), stacked
+
+    @torch.inference_mode()
+    def propose(
+        self, hidden: torch.Tensor, model: nn.Module, num_tokens: int, next_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Greedy chain of ``num_tokens`` drafts: hidden [N, H] (the row that chose ``next_tokens`` [N]) ->
+        [N, num_tokens] int64. No host sync: it can be captured in a CUDA graph."""
+        if not 1 <= num_tokens <= self.num_heads:
+            raise ValueError(f"num_tokens must be in [1, {self.num_heads}], got {num_tokens}")
+        if next_tokens is None:
+            raise ValueError("a recurrent draft head needs the token each hidden state chose (next_tokens)")
+        state, token = hidden.to(self.w_in.dtype), next_tokens
+        drafts = []
+        for _ in range(num_tokens):
+            state = self.step(state, model.embed_tokens(token))
+            token = model.compute_logits(state.to(hidden.dtype)).argmax(dim=-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"w_in": self.w_in, "b_in": self.b_in, "w_out": self.w_out, "b_out": self.b_out}
+
+
+AnyDraftHeads = DraftHeads | RecurrentDraftHead
+
+
+def make_heads(kind: str, max_drafts: int, hidden_size: int, vocab_size: int) -> AnyDraftHeads:
+    """Untrained heads of ``kind`` ("recurrent" or "medusa")."""
+    if kind == "medusa":
+        return DraftHeads(max_drafts, hidden_size, vocab_size)
+    if kind == "recurrent":
+        return RecurrentDraftHead(max_drafts, hidden_size, vocab_size)
+    raise ValueError(f"draft head kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
 
 
 def heads_path(engine_dir: Path) -> Path:
@@ -76,16 +179,17 @@ def heads_meta_path(engine_dir: Path) -> Path:
     return Path(engine_dir) / HEADS_META_NAME
 
 
-def save_draft_heads(heads: DraftHeads, engine_dir: Path, meta: dict) -> Path:
-    """Write ``heads`` (float32) and a JSON of their shape plus ``meta`` next to the engine; the weights' path."""
+def save_draft_heads(heads: AnyDraftHeads, engine_dir: Path, meta: dict) -> Path:
+    """Write ``heads`` (float32) and a JSON of their kind, shape and ``meta`` next to the engine; the weights' path."""
     path = heads_path(engine_dir)
-    tensors = {"weight": heads.weight.detach().float().cpu().contiguous(),
-               "bias": heads.bias.detach().float().cpu().contiguous()}
-    save_file(tensors, str(path), metadata={"format": str(FORMAT_VERSION)})
+    tensors = {name: t.detach().float().cpu().contiguous() for name, t in heads.tensors().items()}
+    save_file(tensors, str(path), metadata={"format": str(FORMAT_VERSION), "kind": heads.kind})
     summary = {
-        "format": FORMAT_VERSION, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
+        "format": FORMAT_VERSION, "kind": heads.kind, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
         "vocab_size": heads.vocab_size, "weights": HEADS_NAME, "training": meta,
     }
+    if isinstance(heads, RecurrentDraftHead):
+        summary["intermediate_size"] = heads.intermediate_size
     heads_meta_path(engine_dir).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return path
 
@@ -98,29 +202,36 @@ def read_heads_meta(engine_dir: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype: torch.dtype) -> DraftHeads:
+def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype: torch.dtype) -> AnyDraftHeads:
     """The heads saved next to the engine, checked against ``model_config`` and cast to ``dtype`` on ``device``.
 
     Raises FileNotFoundError when there are none, ValueError when they were
-    trained for a model of another hidden size or vocabulary.
+    trained for a model of another hidden size or vocabulary, or the file is
+    not a draft heads file.
     """
     path = heads_path(engine_dir)
     if not path.is_file():
         raise FileNotFoundError(f"no draft heads at {path}: train them with `inflight train-draft {engine_dir}`")
     meta = read_heads_meta(engine_dir)
+    kind = meta.get("kind", "medusa")  # format 1 had only Medusa heads
     tensors = load_file(str(path))
-    weight, bias = tensors.get("weight"), tensors.get("bias")
-    if weight is None or bias is None or weight.dim() != 3 or bias.shape != weight.shape[:2]:
-        raise ValueError(f"{path} is not a draft heads file (expected tensors 'weight' [K, H, H] and 'bias' [K, H])")
-    num_heads, hidden_size = weight.shape[0], weight.shape[1]
-    vocab_size = int(meta.get("vocab_size", -1))
-    expected = (model_config.hidden_size, model_config.hidden_size)
-    if tuple(weight.shape[1:]) != expected or vocab_size != model_config.vocab_size:
+    hidden_size, vocab_size = int(meta.get("hidden_size", -1)), int(meta.get("vocab_size", -1))
+    if hidden_size != model_config.hidden_size or vocab_size != model_config.vocab_size:
         raise ValueError(
             f"{path} holds heads for hidden size {hidden_size} and vocabulary {vocab_size}, but the engine's model "
             f"{model_config.name} has hidden size {model_config.hidden_size} and vocabulary {model_config.vocab_size}: "
             f"retrain them with `inflight train-draft {engine_dir}`"
         )
-    heads = DraftHeads(num_heads, hidden_size, vocab_size)
-    heads.load_state_dict({"weight": weight, "bias": bias})
+    if kind == "medusa":
+        heads: AnyDraftHeads = DraftHeads(int(meta.get("num_heads", 0)) or 1, hidden_size, vocab_size)
+    elif kind == "recurrent":
+        heads = RecurrentDraftHead(int(meta.get("num_heads", 0)) or 1, hidden_size, vocab_size,
+                                   int(meta.get("intermediate_size", 0)))
+    else:
+        raise ValueError(f"{path}: unknown draft head kind {kind!r} (this version reads {', '.join(HEAD_KINDS)})")
+    expected = {name: tuple(t.shape) for name, t in heads.tensors().items()}
+    found = {name: tuple(t.shape) for name, t in tensors.items()}
+    if found != expected:
+        raise ValueError(f"{path} is not a {kind} draft heads file: tensors {found}, expected {expected}")
+    heads.load_state_dict(tensors)
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)

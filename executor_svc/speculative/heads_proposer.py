@@ -1,10 +1,11 @@
-"""Draft heads as a Proposer: Medusa-style heads read the target's last hidden state.
+"""Draft heads as a Proposer: the heads read the target's last hidden state.
 
 The runner keeps the final hidden state of the row that sampled each
-request's last token; the heads turn it into k drafts (head i guesses the
-token i + 1 places after that one) with one batched matmul per head. No KV
-cache and no per-request state: the chain of drafts is verified like any
-other.
+request's last token; the heads turn it and that token into k drafts
+(Medusa heads in one batched matmul, the recurrent head as a chain of k
+steps). No KV cache and no per-request state: the chain of drafts is
+verified like any other. Steps of chained rounds draft on the device instead
+(``rounds.py``), with the same heads.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class HeadsProposer:
     def __init__(self, heads, model) -> None:
         self.heads = heads
         self.model = model
+        weight = next(heads.parameters())
+        self.hidden_device, self.hidden_dtype = weight.device, weight.dtype  # the engine's: heads load cast to it
 
     @classmethod
     def load(cls, engine) -> HeadsProposer:  # engine: executor_svc.engine.Engine
@@ -38,11 +41,75 @@ class HeadsProposer:
             return []
         want = min(max(r.num_drafts for r in requests), self.heads.num_heads)
         hidden = torch.stack([r.hidden for r in requests])  # [n, hidden]
-        table = self.heads.propose(hidden, self.model, want).tolist()  # the proposer's one wait for the device
+        last = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.int64).to(hidden.device, non_blocking=True)
+        table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
         return [row[: r.num_drafts] for row, r in zip(table, requests)]
+
+    def device_chain(self, max_requests: int) -> HeadsChain:
+        """The same heads, drafting between chained rounds on the device (``rounds.py``)."""
+        return HeadsChain(self.heads, self.model, max_requests, self.hidden_device, self.hidden_dtype)
 
     def drop(self, request_id: str) -> None:
         pass
 
     def reset(self) -> None:
         pass
+
+
+class HeadsChain:
+    """The heads' drafts between chained verification rounds, on the device.
+
+    After a round's verdict, each request's next drafts follow from the hidden
+    state of the row that chose its newest token and that token: the verdict
+    writes both indices into ``hidden_rows`` and ``last_tokens``, ``draft``
+    gathers the states into a static buffer and runs the heads. On a GPU the
+    heads run as one CUDA graph per (request-count bucket, draft length),
+    captured at engine load (``capture``): a recurrent chain of k drafts is
+    some ten kernels per draft, which launched one by one would cost the host
+    more than the round itself.
+    """
+
+    def __init__(self, heads, model, max_requests: int, device: torch.device, dtype: torch.dtype) -> None:
+        from executor_svc.cuda_graphs import batch_buckets
+
+        self.heads, self.model = heads, model
+        self.buckets = batch_buckets(max(1, max_requests))
+        top = self.buckets[-1]
+        self.hidden = torch.zeros((top, heads.hidden_size), dtype=dtype, device=device)
+        self.last_tokens = torch.zeros(top, dtype=torch.int64, device=device)
+        self.hidden_rows = torch.zeros(top, dtype=torch.int64, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def capture(self, draft_lengths) -> None:
+        """Capture the chain for every request-count bucket and each draft length (GPU only)."""
+        if self.hidden.device.type != "cuda":
+            return
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.hidden.device)
+        stream.wait_stream(torch.cuda.current_stream(self.hidden.device))
+        with torch.cuda.stream(stream):
+            for k in draft_lengths:
+                for batch in reversed(self.buckets):
+                    self._propose(batch, k)  # warm-up: compiles kernels, sizes workspaces
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        drafts = self._propose(batch, k)
+                    self.graphs[(batch, k)] = (graph, drafts)
+        torch.cuda.current_stream(self.hidden.device).wait_stream(stream)
+        torch.cuda.synchronize(self.hidden.device)
+
+    def _propose(self, batch: int, k: int) -> torch.Tensor:
+        return self.heads.propose(self.hidden[:batch], self.model, k, self.last_tokens[:batch])
+
+    def draft(self, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
+        """[num_requests, k] drafts from rows ``hidden_rows`` of ``hidden`` and ``last_tokens`` (a view of a
+        static buffer on the GPU: copy it before the next call)."""
+        torch.index_select(hidden, 0, self.hidden_rows[:num_requests], out=self.hidden[:num_requests])
+        bucket = next((b for b in self.buckets if b >= num_requests), None)
+        entry = self.graphs.get((bucket, k)) if bucket is not None else None
+        if entry is None:
+            return self._propose(num_requests, k)
+        graph, drafts = entry
+        graph.replay()
+        return drafts[:num_requests]

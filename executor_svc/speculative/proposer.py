@@ -35,7 +35,7 @@ class SpeculativeConfig:
     ngram_min: int = 2
     ngram_max: int = 4
     draft_engine_dir: Path | None = None  # DRAFT_MODEL: an engine of the same tokenizer
-    # NGRAM: most verification rounds one step chains on the device (executor_svc/speculative/rounds.py).
+    # NGRAM and DRAFT_HEADS: most verification rounds one step chains on the device (speculative/rounds.py).
     max_rounds: int = 8
 
     def __post_init__(self) -> None:
@@ -46,8 +46,8 @@ class SpeculativeConfig:
 
     @property
     def device_rounds(self) -> int:
-        """Verification rounds one step may chain: only prompt lookup drafts on the device."""
-        return self.max_rounds if self.mode is SpeculativeMode.NGRAM else 1
+        """Verification rounds one step may chain: prompt lookup and draft heads draft on the device."""
+        return self.max_rounds if self.mode in (SpeculativeMode.NGRAM, SpeculativeMode.DRAFT_HEADS) else 1
 
 
 @dataclass(slots=True)

@@ -8,13 +8,16 @@ itself, so a step that verifies k drafts takes twice the time of a plain step
 that overlaps with its successor.
 
 With prompt lookup the next drafts are a lookup in the request's own tokens,
-which the device can do as well as the host. So a step may run R rounds back
-to back: round r verifies k drafts per request (the first round the drafts
-the plan brought, each later round drafts looked up by
-``ngram_drafts_on_device``); what it accepts is appended to a device copy of
-each request's tokens, and the next round's positions and KV slots follow
-from the accepted counts, all as tensor operations. The host queues every
-round at once, then reads all rounds' tokens with the step's one copy back.
+and with draft heads a function of the hidden state of the row that chose the
+newest token: the device can make either as well as the host. So a step may
+run R rounds back to back: round r verifies k drafts per request (the first
+round the drafts the plan brought, each later round drafts looked up by
+``ngram_drafts_on_device`` or made by the heads, ``HeadsChain``); what it
+accepts is appended to a device copy of each request's tokens, and the next
+round's positions and KV slots follow from the accepted counts, all as tensor
+operations. The host queues every round at once, then reads all rounds'
+tokens with the step's one copy back. With heads, the drafts for the next
+step's first round come back with that copy too (``RoundsOutput.next_drafts``).
 
 Every request of such a step verifies the same k drafts in each round (the
 plan's drafts are padded to k with the last token; a wrong guess is simply
@@ -35,6 +38,7 @@ from torch import nn
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.packed_forward import Segment, pack, run_packed, to_device
 from executor_svc.sampler import RequestSamplingState
+from executor_svc.speculative.heads_proposer import HeadsChain
 from executor_svc.speculative.ngram import ngram_drafts_on_device
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
 
@@ -58,6 +62,7 @@ class RoundsOutput:
     # [rounds + 1, B] int64: of each round's k drafts, how many were real guesses rather than padding
     # (row 0: the plan's; the last row is the lookup after the last round, unused).
     drafted: torch.Tensor
+    next_drafts: torch.Tensor | None = None  # [B, k'] the heads' drafts after the last round, for the next step
 
     @classmethod
     def empty(cls, num_rounds: int, requests: Sequence[RoundsRequest], k: int, device: torch.device) -> RoundsOutput:
@@ -109,9 +114,10 @@ class RoundsRunner:
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int,
         ngram_sizes: tuple[int, int],  # (min_n, max_n) of the lookup that drafts rounds 2..R
+        chain: HeadsChain | None = None,  # draft heads draft rounds 2..R (and the next step) instead
     ) -> None:
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
-        self.tokens_per_block, self.ngram_sizes = tokens_per_block, ngram_sizes
+        self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
 
     @torch.inference_mode()
     def warm_up(self, draft_lengths: Sequence[int]) -> None:
@@ -121,6 +127,8 @@ class RoundsRunner:
         from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
 
         device = self.kv_cache.device
+        if self.chain is not None:
+            self.chain.capture(draft_lengths)
         for k in draft_lengths:
             history = torch.zeros((1, 2 * k + 4), dtype=torch.int64, device=device)
             lens = torch.ones(1, dtype=torch.int64, device=device)
@@ -130,11 +138,18 @@ class RoundsRunner:
                          self.tokens_per_block, *rows)
             round_verdict(rows[0], history, lens, drafts, torch.zeros((1, 1, k + 1), dtype=torch.int64, device=device),
                           torch.zeros((1, 1), dtype=torch.int64, device=device),
-                          torch.zeros((2, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes)
+                          torch.zeros((2, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes,
+                          self._heads_inputs())
+
+    def _heads_inputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.chain is None else (self.chain.last_tokens, self.chain.hidden_rows)
 
     @torch.inference_mode()
-    def run(self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int) -> RoundsOutput:
-        """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request."""
+    def run(
+        self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int, next_drafts: int = 0,
+    ) -> RoundsOutput:
+        """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; with heads, and
+        ``next_drafts`` > 0, also that many drafts per request for the next step."""
         rows = len(requests) * (num_drafts + 1)
         max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * (num_drafts + 1)
         graphs = self.graphs
@@ -142,8 +157,10 @@ class RoundsRunner:
             graphs is not None and graphs.fits(rows, max_context)
             and all(r.sampling.config.is_greedy for r in requests)
         ):
-            return self._run_fused(requests, num_drafts, num_rounds, *graphs.bucket(rows, max_context))
-        return self._run_eager(requests, num_drafts, num_rounds, max_context)
+            out = self._run_fused(requests, num_drafts, num_rounds, next_drafts, *graphs.bucket(rows, max_context))
+        else:
+            out = self._run_eager(requests, num_drafts, num_rounds, next_drafts, max_context)
+        return out
 
     def _initial(
         self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, table_width: int,
@@ -163,7 +180,9 @@ class RoundsRunner:
         )
         return history, lens, drafts, tables
 
-    def _run_eager(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, max_context: int) -> RoundsOutput:
+    def _run_eager(
+        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int, max_context: int,
+    ) -> RoundsOutput:
         device = self.kv_cache.device
         batch, rows_per_request = len(requests), k + 1
         history, lens, drafts, tables = self._initial(requests, k, num_rounds, max(len(r.block_table) for r in requests))
@@ -176,20 +195,35 @@ class RoundsRunner:
         for rnd in range(num_rounds):
             ids, positions, slots = _round_inputs(history, lens, drafts, tables, self.tokens_per_block)
             if use_graph:
-                logits, _ = graphs.run_device(
+                logits, hidden = graphs.run_device(
                     ids.flatten(), positions.flatten(), slots.flatten(), (positions + 1).flatten(), row_tables, max_context,
                 )
             else:
-                logits = _eager_round(self.model, self.kv_cache, graphs, self.tokens_per_block, requests, positions, ids)
+                logits, hidden = _eager_round(self.model, self.kv_cache, graphs, self.tokens_per_block, requests,
+                                              positions, ids, want_hidden=self.chain is not None)
             row_tokens, row_accepted = verify_drafts(logits, torch.cat([drafts, no_draft], dim=1).flatten(), row_states)
             row_tokens = row_tokens.view(batch, rows_per_request)
             out.tokens[rnd] = row_tokens
-            out.accepted[rnd] = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
-            if rnd + 1 < num_rounds:
+            accepted = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
+            out.accepted[rnd] = accepted
+            if self.chain is not None:
+                if rnd + 1 < num_rounds or next_k:
+                    chain = self.chain
+                    chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
+                    chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
+                    made = chain.draft(hidden, batch, k if rnd + 1 < num_rounds else next_k).clone()
+                    if rnd + 1 < num_rounds:
+                        drafts = made
+                        out.drafted[rnd + 1] = k
+                    else:
+                        out.next_drafts = made
+            elif rnd + 1 < num_rounds:
                 drafts, out.drafted[rnd + 1] = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
         return out
 
-    def _run_fused(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, batch: int, width: int) -> RoundsOutput:
+    def _run_fused(
+        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int, batch: int, width: int,
+    ) -> RoundsOutput:
         from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
 
         graphs, device = self.graphs, self.kv_cache.device
@@ -201,22 +235,28 @@ class RoundsRunner:
         for rnd in range(num_rounds):
             round_inputs(history, lens, drafts, tables, self.tokens_per_block,
                          graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.context_lens)
-            logits, _ = graphs.replay(batch, width)
+            logits, hidden = graphs.replay(batch, width)
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
-            round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes)
+            round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes,
+                          self._heads_inputs())
+            if self.chain is not None and rnd + 1 < num_rounds:
+                drafts.copy_(self.chain.draft(hidden, num_requests, k))
+            elif self.chain is not None and next_k:
+                out.next_drafts = self.chain.draft(hidden, num_requests, next_k).clone()
         return out
 
 
 def _eager_round(
     model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int,
-    requests: Sequence[RoundsRequest], positions: torch.Tensor, ids: torch.Tensor,
-) -> torch.Tensor:
-    """One round through the host-packed path (no graph fits, or no GPU): reads the round's positions back."""
+    requests: Sequence[RoundsRequest], positions: torch.Tensor, ids: torch.Tensor, want_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One round through the host-packed path (no graph fits, or no GPU): reads the round's positions back.
+    (logits, and with ``want_hidden`` the rows' hidden states)."""
     starts = positions[:, 0].tolist()
     segments = [Segment(r.block_table, start, positions.shape[1], as_rows=True) for r, start in zip(requests, starts)]
     packed = pack(segments, tokens_per_block)
-    logits, _ = run_packed(model, kv_cache, graphs, packed, ids.flatten().tolist(), list(range(packed.num_tokens)))
-    return logits
+    return run_packed(model, kv_cache, graphs, packed, ids.flatten().tolist(), list(range(packed.num_tokens)),
+                      want_hidden=want_hidden)
 
 
 def emitted_tokens(tokens: list[list[list[int]]], accepted: list[list[int]], request: int) -> tuple[list[int], list[int]]:

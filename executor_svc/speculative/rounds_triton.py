@@ -58,8 +58,10 @@ def _round_inputs_kernel(
 @triton.jit(do_not_specialize=["stride_history", "stride_drafts", "round_index"])
 def _round_verdict_kernel(
     target_ptr, history_ptr, lens_ptr, drafts_ptr, out_tokens_ptr, out_accepted_ptr, out_drafted_ptr,
+    last_token_ptr, hidden_row_ptr,
     stride_history, stride_drafts, round_index,
     K: tl.constexpr, BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    LOOKUP: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = history_ptr + b * stride_history
@@ -81,29 +83,34 @@ def _round_verdict_kernel(
     tl.store(out_accepted_ptr + b, accepted)
     length = length + accepted + 1
     tl.store(lens_ptr + b, length)
-    tl.debug_barrier()  # the appended tokens and the old drafts' loads, before the lookup reads and writes
+    if LOOKUP:
+        tl.debug_barrier()  # the appended tokens and the old drafts' loads, before the lookup reads and writes
 
-    # The next drafts: the longest suffix (MIN_N..MAX_N tokens) seen ending at an earlier position e.
-    last = length - 1
-    best = tl.full((), -1, tl.int64)  # run * stride_history + e of the best match so far
-    for start in range(0, last, BLOCK_E):
-        e = start + tl.arange(0, BLOCK_E)
-        matching = e < last
-        run = tl.zeros((BLOCK_E,), dtype=tl.int64)
-        for i in tl.static_range(MAX_N):
-            suffix = tl.where(last - i >= 0, tl.load(row + tl.maximum(last - i, 0)), -2)  # -2: no token
-            token = tl.load(row + e - i, mask=matching & (e - i >= 0), other=-3)
-            matching = matching & (token == suffix)
-            run += matching.to(tl.int64)
-        score = tl.where(run >= MIN_N, run * stride_history + e, -1)
-        best = tl.maximum(best, tl.max(score, axis=0))
-    first = tl.where(best >= 0, best % stride_history + 1, -1)
-    d = tl.arange(0, BLOCK)
-    source = first + d
-    found = (source >= d) & (source < length) & (d < K)  # source >= d: a match was found (first >= 0)
-    copied = tl.load(row + source, mask=found, other=0)
-    tl.store(drafts_ptr + b * stride_drafts + d, tl.where(found, copied, tl.load(row + last)), mask=d < K)
-    tl.store(out_drafted_ptr + b, tl.sum(found.to(tl.int64), axis=0))
+        # The next drafts: the longest suffix (MIN_N..MAX_N tokens) seen ending at an earlier position e.
+        last = length - 1
+        best = tl.full((), -1, tl.int64)  # run * stride_history + e of the best match so far
+        for start in range(0, last, BLOCK_E):
+            e = start + tl.arange(0, BLOCK_E)
+            matching = e < last
+            run = tl.zeros((BLOCK_E,), dtype=tl.int64)
+            for i in tl.static_range(MAX_N):
+                suffix = tl.where(last - i >= 0, tl.load(row + tl.maximum(last - i, 0)), -2)  # -2: no token
+                token = tl.load(row + e - i, mask=matching & (e - i >= 0), other=-3)
+                matching = matching & (token == suffix)
+                run += matching.to(tl.int64)
+            score = tl.where(run >= MIN_N, run * stride_history + e, -1)
+            best = tl.maximum(best, tl.max(score, axis=0))
+        first = tl.where(best >= 0, best % stride_history + 1, -1)
+        d = tl.arange(0, BLOCK)
+        source = first + d
+        found = (source >= d) & (source < length) & (d < K)  # source >= d: a match was found (first >= 0)
+        copied = tl.load(row + source, mask=found, other=0)
+        tl.store(drafts_ptr + b * stride_drafts + d, tl.where(found, copied, tl.load(row + last)), mask=d < K)
+        tl.store(out_drafted_ptr + b, tl.sum(found.to(tl.int64), axis=0))
+    else:  # draft heads draft next: from the row that chose the last token, and that token
+        tl.store(last_token_ptr + b, tl.sum(tl.where(j == accepted, target, 0), axis=0))
+        tl.store(hidden_row_ptr + b, b * (K + 1) + accepted)
+        tl.store(out_drafted_ptr + b, K)
 
 
 def round_inputs(
@@ -123,16 +130,22 @@ def round_inputs(
 def round_verdict(
     target: torch.Tensor, history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
     out_tokens: torch.Tensor, out_accepted: torch.Tensor, out_drafted: torch.Tensor, round_index: int,
-    min_n: int, max_n: int,
+    min_n: int, max_n: int, heads_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Greedy verdict of a round from the target's tokens ([B * (1 + k)], the argmax of each row): writes the
     rows' tokens and accepted counts into round ``round_index`` of ``out_tokens`` [R, B, 1 + k] and
     ``out_accepted`` [R, B] (contiguous), appends to ``history`` and advances ``lens``, and replaces ``drafts``
     [B, k] with the next round's lookup (padded with the last token, as ``ngram_drafts_on_device``), whose
-    real guesses it counts in row ``round_index + 1`` of ``out_drafted`` [R + 1, B]."""
+    real guesses it counts in row ``round_index + 1`` of ``out_drafted`` [R + 1, B].
+
+    With ``heads_inputs`` = (last_tokens [B], hidden_rows [B]) draft heads draft instead of the lookup: it
+    writes each request's newest token and the row (b * (1 + k) + accepted) whose hidden state chose it,
+    leaves ``drafts`` alone, and counts k real guesses."""
     batch, k = drafts.shape
+    last_tokens, hidden_rows = heads_inputs if heads_inputs is not None else (out_accepted, out_accepted)
     _round_verdict_kernel[(batch,)](
-        target, history, lens, drafts, out_tokens, out_accepted, out_drafted, history.stride(0), drafts.stride(0),
-        round_index,
+        target, history, lens, drafts, out_tokens, out_accepted, out_drafted, last_tokens, hidden_rows,
+        history.stride(0), drafts.stride(0), round_index,
         K=k, BLOCK=triton.next_power_of_2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_E=BLOCK_POSITIONS,
+        LOOKUP=heads_inputs is None,
     )
