@@ -57,7 +57,7 @@ from kvcache.manager import KVCacheManager
 from protos.plan import BlockCopy, CachedRequest, NewRequest, RequestOutput, StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.scheduler_config import CapacityPolicy, SchedulerConfig
-from scheduler_svc.speculation import Candidate, DraftLengthPolicy, DraftStats
+from scheduler_svc.speculation import TRIAL_ROUNDS, Candidate, DraftLengthPolicy, DraftStats
 from scheduler_svc.waiting_queue import WaitingQueue
 
 __all__ = ["CapacityPolicy", "RequestUpdate", "Scheduler", "SchedulerConfig"]
@@ -279,7 +279,7 @@ class Scheduler:
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting)
+        draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting, chainable=chainable)
         limit = self.draft_policy.verify_limit
         if limit is not None:  # a probe with room for only some of them: the first in order verify
             drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}
@@ -288,12 +288,17 @@ class Scheduler:
     def _chained_rounds(self, order: list[Request], draft_length: int, chainable: bool) -> int:
         """Verification rounds for this step: more than one only when the step may chain them
         (``_chainable``; a request without drafts of its own starts from padding, and the device looks up
-        its later rounds' drafts), drafts are verified, and each request has room for what they may emit."""
+        its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
+        at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (a guess: its cost unmeasured,
+        or a probe), which then costs two rounds if wrong, not every round."""
         cfg = self.config
-        if not chainable or draft_length <= 0 or self.draft_policy.verify_limit is not None:
+        policy = self.draft_policy
+        if not chainable or draft_length <= 0 or policy.verify_limit is not None:
             return 1
         rows = 1 + draft_length
         rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
+        if policy.trial:
+            rounds = min(rounds, TRIAL_ROUNDS)
         for request in order:
             room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
             rounds = min(rounds, room // rows)
@@ -492,7 +497,7 @@ class Scheduler:
         if generation is not None and seconds > 0:
             tokens, rounds, verified = generation  # chained rounds: each counts as a step of its share
             self.draft_policy.observe(tokens, seconds / rounds, overlapped, result.step_us / 1e6 / rounds,
-                                      plain=not verified)
+                                      plain=not verified, chained=rounds > 1)
         requests = self.requests
         for request_id in self._sampling.pop(result.step_id, ()):
             request = requests.get(request_id)

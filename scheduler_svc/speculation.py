@@ -54,6 +54,14 @@ speculation turning on resets it. A probe never grows a step past
 ``max_step_tokens`` (the executor's batch size: past it, single-token rows
 leave the CUDA graphs and a step costs several times more): only as many
 requests verify a draft as there is room for, and a full batch is not probed.
+
+Steps that chain verification rounds on the device (see ``scheduler.py``)
+have no host round trip between rounds, so a round costs less than a single
+verification step of the same size. Their per-round cost is learned apart
+(``chained_costs``) and prices K > 0 whenever the step may chain; a K that
+is a guess (no cost of its kind measured yet, or a probe) is a ``trial``,
+which the scheduler chains over only ``TRIAL_ROUNDS`` rounds: enough to
+measure a chained round, and a wrong guess costs two rounds, not eight.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
 RECENT = 8  # measurements each step-size bucket keeps
 TRUSTED = 3  # measurements after which a bucket counts (its median)
+TRIAL_ROUNDS = 2  # chained rounds of a trial K (see the module docstring)
 PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
@@ -157,11 +166,16 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
         self.max_step_tokens = max_step_tokens  # probes stay within it (0 = no limit)
         self.verify_limit: int | None = None  # this step's most requests that verify drafts (None = all)
+        # This step's K is a trial (its cost unmeasured, or a probe of speculation that was off): the
+        # scheduler runs it as one verification round, so a wrong guess costs one round, not a chain.
+        self.trial = False
         self._last_tokens = 0  # tokens of the last generation step measured
         self.overlap_available = True  # whether the step loop overlaps steps when speculation is off
         self.costs = StepCosts()  # wall time of steps run one at a time
         self.overlapped_costs = StepCosts()  # wall time of overlapped steps
         self.executor_costs = StepCosts()  # the executor's own time per step
+        self.chained_costs = StepCosts()  # wall time per round of steps that chained verification rounds
+        self._chainable = False  # this step may chain rounds: K > 0 is priced by chained_costs
         self.last_k = max_draft_tokens
         self._steps = 0
         self._probe_every = PROBE_EVERY
@@ -170,11 +184,16 @@ class DraftLengthPolicy:
         self._plain_sizes: set[int] = set()  # step-size buckets where a step without drafts was measured
         self._plain_tried: set[int] = set()  # ... and where one was run to be measured
 
-    def choose(self, candidates: list[Candidate], other_tokens: int, draining: bool = False) -> int:
+    def choose(
+        self, candidates: list[Candidate], other_tokens: int, draining: bool = False, chainable: bool = False,
+    ) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens;
-        ``draining``: no request waits, so no running request may get slower (see the module docstring)."""
+        ``draining``: no request waits, so no running request may get slower (see the module docstring);
+        ``chainable``: the step may chain verification rounds."""
         self._steps += 1
+        self._chainable = chainable
         self.verify_limit = None
+        self.trial = False
         if not candidates:
             if self.last_k == 0:  # off, and no request asked for drafts: a probe window may pass unused
                 self._schedule_probes(0)
@@ -199,7 +218,7 @@ class DraftLengthPolicy:
             drafts = [min(k, c.num_drafts) for c in candidates]
             seconds = self._cost(k, base + sum(drafts))
             if seconds is None:  # nothing measured yet: speculate fully once and learn
-                best_k = self.max_draft_tokens
+                best_k, self.trial = self.max_draft_tokens, True
                 break
             gains = [1 + expected_accepted(c.rate, d) for c, d in zip(candidates, drafts)]
             if draining:  # the request that gains least; one without drafts gains one token a step
@@ -214,7 +233,7 @@ class DraftLengthPolicy:
         if best_k == 0 and self._probing():
             room = self._room(base)
             if room > 0:  # off, but probing: verify one draft so the cost of speculating is measured again
-                best_k = 1
+                best_k, self.trial = 1, True
                 self.verify_limit = room if room < len(candidates) else None
         if log.isEnabledFor(logging.DEBUG):
             log.debug("draft length %d for %d requests with drafts (%s)", best_k, len(candidates), ", ".join(estimates))
@@ -223,10 +242,15 @@ class DraftLengthPolicy:
         return best_k
 
     def observe(
-        self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float, plain: bool = True
+        self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float, plain: bool = True,
+        chained: bool = False,
     ) -> None:
         """A generation step of ``num_tokens`` tokens took ``wall_seconds`` as the step loop saw it;
-        ``plain``: it verified no drafts."""
+        ``plain``: it verified no drafts; ``chained``: it was one round's share of chained rounds."""
+        if chained:
+            self.chained_costs.observe(num_tokens, wall_seconds)
+            self._last_tokens = num_tokens
+            return
         (self.overlapped_costs if overlapped else self.costs).observe(num_tokens, wall_seconds)
         if plain:
             self._plain_sizes.add(_bucket(num_tokens))
@@ -235,6 +259,8 @@ class DraftLengthPolicy:
             self.executor_costs.observe(num_tokens, executor_seconds)
 
     def _cost(self, k: int, num_tokens: int) -> float | None:
+        if k > 0 and self._chainable:
+            return self.chained_costs.step_seconds(num_tokens)
         if k == 0 and self.overlap_available:
             for costs in (self.overlapped_costs, self.executor_costs):
                 seconds = costs.step_seconds(num_tokens)

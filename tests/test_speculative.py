@@ -275,6 +275,31 @@ def test_chained_rounds_need_no_drafts_from_the_host():
     assert (cached.num_rounds, cached.num_scheduled_tokens, cached.draft_token_ids) == (3, 9, [])
 
 
+def test_trial_draft_lengths_chain_few_rounds_and_chained_costs_price_chains():
+    """The adaptive policy's guesses (no chained round measured yet, a probe) chain only TRIAL_ROUNDS rounds;
+    chained steps are priced by their own per-round cost, not by single verification steps."""
+    from scheduler_svc.speculation import TRIAL_ROUNDS
+
+    s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8)
+    s.add_request(make_request("a", 6, max_tokens=200))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3])]))
+    cached = s.schedule().cached_requests[0]
+    assert s.draft_policy.trial and (cached.num_rounds, cached.num_scheduled_tokens) == (TRIAL_ROUNDS, 8)
+    policy = DraftLengthPolicy(max_draft_tokens=3)
+    for _ in range(4):  # plain steps overlap at 1 ms; a single verification step, serial, costs 3 ms
+        policy.observe(1, 0.001, overlapped=True, executor_seconds=0.0)
+        policy.observe(4, 0.003, overlapped=False, executor_seconds=0.0, plain=False)
+    policy._steps = 1  # not in a probe window
+    good = [Candidate("a", 3, 0.6)]  # 1 + 0.6 + 0.36 + 0.216 = 2.2 tokens a verification
+    assert policy.choose(good, 0, chainable=False) == 0  # 2.2 tokens / 3 ms lose to 1 / 1 ms
+    assert policy.choose(good, 0, chainable=True) == 3 and policy.trial  # no chained round measured: try
+    for _ in range(4):  # a chained round costs 1.3 ms: no host round trip between rounds
+        policy.observe(4, 0.0013, overlapped=False, executor_seconds=0.0, plain=False, chained=True)
+    assert policy.choose(good, 0, chainable=True) == 3 and not policy.trial
+    assert policy.choose(good, 0, chainable=False) == 0  # single verification steps still do not pay
+
+
 def test_chained_rounds_stay_within_max_tokens():
     s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8, adaptive_draft_length=False)
     s.add_request(make_request("a", 6, max_tokens=10))

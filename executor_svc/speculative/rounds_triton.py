@@ -17,7 +17,9 @@ each of two kernels:
   there (up to ``max_n``), the best being the longest run of at least
   ``min_n`` and, among equal runs, the latest, which is exactly what
   ``NgramIndex.propose`` picks (``ngram_drafts_on_device`` is the torch
-  reference).
+  reference). When draft heads draft instead, it skips the lookup and writes
+  each request's newest token and the row whose hidden state chose it, which
+  the heads read next (``heads_proposer.HeadsChain``).
 
 Both are checked against the torch reference (executor_svc/speculative/
 rounds.py) on the CPU through Triton's interpreter.
