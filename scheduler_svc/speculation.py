@@ -59,7 +59,8 @@ Steps that chain verification rounds on the device (see ``scheduler.py``)
 have no host round trip between rounds, so a round costs less than a single
 verification step of the same size. Their per-round cost is learned apart
 (``chained_costs``) and prices K > 0 whenever the step may chain; a K that
-is a guess (no cost of its kind measured yet, or a probe) is a ``trial``,
+is a guess (no cost of its kind measured yet, a chain longer than any
+measured one, whose price is extrapolated, or a probe) is a ``trial``,
 which the scheduler chains over only ``TRIAL_ROUNDS`` rounds: enough to
 measure a chained round, and a wrong guess costs two rounds, not eight.
 """
@@ -136,6 +137,10 @@ class StepCosts:
         ranked = [sorted(window, key=lambda p: p[1]) for window in self.recent.values()]
         trusted = [r[len(r) // 2] for r in ranked if len(r) >= TRUSTED]
         return sorted(trusted or [r[0] for r in ranked])
+
+    def covers(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` is within the measured sizes (its bucket or a larger one)."""
+        return any(bucket >= _bucket(num_tokens) for bucket in self.recent)
 
     def step_seconds(self, num_tokens: int) -> float | None:
         points = self.points()
@@ -229,6 +234,9 @@ class DraftLengthPolicy:
             estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly
                 best_k, best = k, goodput
+        if best_k > 0 and self._chainable:  # a chain of a size past every measured one is priced by a guess
+            drafts = sum(min(best_k, c.num_drafts) for c in candidates)
+            self.trial = self.trial or not self.chained_costs.covers(base + drafts)
         self._schedule_probes(best_k)
         if best_k == 0 and self._probing():
             room = self._room(base)

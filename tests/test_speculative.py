@@ -298,6 +298,10 @@ def test_trial_draft_lengths_chain_few_rounds_and_chained_costs_price_chains():
         policy.observe(4, 0.0013, overlapped=False, executor_seconds=0.0, plain=False, chained=True)
     assert policy.choose(good, 0, chainable=True) == 3 and not policy.trial
     assert policy.choose(good, 0, chainable=False) == 0  # single verification steps still do not pay
+    # Forty requests chaining rounds of 160 rows: priced off the 4-row rounds, so a trial again.
+    many = [Candidate(str(i), 3, 0.6) for i in range(40)]
+    assert policy.choose(many, 0, chainable=True) == 0  # first a plain step of 40, never measured
+    assert policy.choose(many, 0, chainable=True) == 3 and policy.trial
 
 
 def test_chained_rounds_stay_within_max_tokens():
