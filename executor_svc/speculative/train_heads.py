@@ -14,8 +14,11 @@ learn what the target will say, which is exactly what verification accepts.
   learns to predict the target's hidden state h_{t+1+i} itself (smooth L1,
   weighted ``hidden_loss_weight``): without that, the state drifts from
   anything the lm_head was made for and chains fall apart after one or two
-  drafts (on SmolLM2: 0.78 accepted drafts per step at k = 4 with weight 0,
-  1.05 with weight 10, against 0.93 for four Medusa heads).
+  drafts (a CPU experiment on SmolLM2's greedy continuations of docstrings:
+  0.78 accepted drafts per step at k = 4 with weight 0, 1.05 with weight 10,
+  against 0.93 for four Medusa heads). Optimiser settings matter as much: on
+  the H200, chat answers, lr 3e-3 without clipping reached 0.33 accepted
+  drafts per step, lr 1e-3 with gradients clipped to norm 1 reached 0.88.
 
 Memory: only the hidden states are kept ([tokens, hidden] in the target's
 dtype); the target's full-vocabulary distributions are recomputed from them
