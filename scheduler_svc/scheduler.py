@@ -289,8 +289,8 @@ class Scheduler:
         """Verification rounds for this step: more than one only when the step may chain them
         (``_chainable``; a request without drafts of its own starts from padding, and the device looks up
         its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
-        at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (a guess: its cost unmeasured,
-        or a probe), which then costs two rounds if wrong, not every round."""
+        at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
+        which then costs two rounds if wrong, not every round."""
         cfg = self.config
         policy = self.draft_policy
         if not chainable or draft_length <= 0 or policy.verify_limit is not None:

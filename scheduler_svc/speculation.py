@@ -171,8 +171,8 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
         self.max_step_tokens = max_step_tokens  # probes stay within it (0 = no limit)
         self.verify_limit: int | None = None  # this step's most requests that verify drafts (None = all)
-        # This step's K is a trial (its cost unmeasured, or a probe of speculation that was off): the
-        # scheduler runs it as one verification round, so a wrong guess costs one round, not a chain.
+        # This step's K is a trial (priced by a guess, or a probe of speculation that was off): the
+        # scheduler chains it over at most TRIAL_ROUNDS rounds, so a wrong guess costs few rounds.
         self.trial = False
         self._last_tokens = 0  # tokens of the last generation step measured
         self.overlap_available = True  # whether the step loop overlaps steps when speculation is off
@@ -217,7 +217,7 @@ class DraftLengthPolicy:
             self._plain_tried.add(size)
             self.choices[0] += 1
             return 0
-        best_k, best = 0, -1.0
+        best_k, best, best_tokens = 0, -1.0, base
         estimates = []
         for k in range(self.max_draft_tokens + 1):
             drafts = [min(k, c.num_drafts) for c in candidates]
@@ -233,10 +233,9 @@ class DraftLengthPolicy:
             goodput = tokens / max(seconds, 1e-9)
             estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly
-                best_k, best = k, goodput
+                best_k, best, best_tokens = k, goodput, base + sum(drafts)
         if best_k > 0 and self._chainable:  # a chain of a size past every measured one is priced by a guess
-            drafts = sum(min(best_k, c.num_drafts) for c in candidates)
-            self.trial = self.trial or not self.chained_costs.covers(base + drafts)
+            self.trial = self.trial or not self.chained_costs.covers(best_tokens)
         self._schedule_probes(best_k)
         if best_k == 0 and self._probing():
             room = self._room(base)

@@ -59,14 +59,19 @@ def module_docstrings(module_names: tuple[str, ...], min_chars: int = MIN_CHARS)
     return texts
 
 
+def text_lines(path: str, limit: int, what: str = "file") -> list[str]:
+    """The first ``limit`` non-empty lines of ``path``, stripped; ValueError naming ``what`` when there are none."""
+    lines = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    texts = [line for line in lines if line]
+    if not texts:
+        raise ValueError(f"{what} {path} has no non-empty lines")
+    return texts[:limit]
+
+
 def calibration_texts(calib_data: str, limit: int) -> tuple[list[str], str]:
     """(up to ``limit`` calibration texts, a description of where they came from)."""
     if calib_data:
-        lines = [line.strip() for line in Path(calib_data).read_text(encoding="utf-8").splitlines()]
-        texts = [line for line in lines if line]
-        if not texts:
-            raise ValueError(f"calibration file {calib_data} has no non-empty lines")
-        return texts[:limit], f"file {calib_data}"
+        return text_lines(calib_data, limit, "calibration file"), f"file {calib_data}"
     return module_docstrings(CALIBRATION_MODULES)[:limit], f"stdlib docstrings ({len(CALIBRATION_MODULES)} modules)"
 
 

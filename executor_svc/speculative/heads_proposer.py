@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from executor_svc.packed_forward import to_device
 from executor_svc.speculative.draft_heads import load_draft_heads
 from executor_svc.speculative.proposer import DraftRequest, SpeculativeMode
 
@@ -41,7 +42,7 @@ class HeadsProposer:
             return []
         want = min(max(r.num_drafts for r in requests), self.heads.num_heads)
         hidden = torch.stack([r.hidden for r in requests])  # [n, hidden]
-        last = torch.tensor([r.token_ids[-1] for r in requests], dtype=torch.int64).to(hidden.device, non_blocking=True)
+        last = to_device([r.token_ids[-1] for r in requests], torch.int64, hidden.device)
         table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
         return [row[: r.num_drafts] for row, r in zip(table, requests)]
 

@@ -157,10 +157,8 @@ class RoundsRunner:
             graphs is not None and graphs.fits(rows, max_context)
             and all(r.sampling.config.is_greedy for r in requests)
         ):
-            out = self._run_fused(requests, num_drafts, num_rounds, next_drafts, *graphs.bucket(rows, max_context))
-        else:
-            out = self._run_eager(requests, num_drafts, num_rounds, next_drafts, max_context)
-        return out
+            return self._run_fused(requests, num_drafts, num_rounds, next_drafts, *graphs.bucket(rows, max_context))
+        return self._run_eager(requests, num_drafts, num_rounds, next_drafts, max_context)
 
     def _initial(
         self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, table_width: int,
@@ -206,17 +204,12 @@ class RoundsRunner:
             out.tokens[rnd] = row_tokens
             accepted = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
             out.accepted[rnd] = accepted
-            if self.chain is not None:
-                if rnd + 1 < num_rounds or next_k:
-                    chain = self.chain
-                    chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
-                    chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
-                    made = chain.draft(hidden, batch, k if rnd + 1 < num_rounds else next_k).clone()
-                    if rnd + 1 < num_rounds:
-                        drafts = made
-                        out.drafted[rnd + 1] = k
-                    else:
-                        out.next_drafts = made
+            if self.chain is not None:  # what round_verdict writes for the heads, then their drafts
+                self.chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
+                self.chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
+                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, batch)
+                if rnd + 1 < num_rounds:
+                    out.drafted[rnd + 1] = k
             elif rnd + 1 < num_rounds:
                 drafts, out.drafted[rnd + 1] = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
         return out
@@ -239,11 +232,21 @@ class RoundsRunner:
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
             round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes,
                           self._heads_inputs())
-            if self.chain is not None and rnd + 1 < num_rounds:
-                drafts.copy_(self.chain.draft(hidden, num_requests, k))
-            elif self.chain is not None and next_k:
-                out.next_drafts = self.chain.draft(hidden, num_requests, next_k).clone()
+            if self.chain is not None:
+                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, num_requests)
         return out
+
+    def _heads_draft(
+        self, out: RoundsOutput, hidden: torch.Tensor, rnd: int, num_rounds: int, k: int, next_k: int,
+        num_requests: int,
+    ) -> torch.Tensor | None:
+        """After round ``rnd`` (the chain's inputs written): the heads' drafts for the next round, returned;
+        after the last round, ``next_k`` drafts for the next step into ``out.next_drafts`` (None returned)."""
+        if rnd + 1 < num_rounds:
+            return self.chain.draft(hidden, num_requests, k).clone()  # the chain's buffers are reused
+        if next_k:
+            out.next_drafts = self.chain.draft(hidden, num_requests, next_k).clone()
+        return None
 
 
 def _eager_round(

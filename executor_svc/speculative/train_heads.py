@@ -57,7 +57,7 @@ from torch import nn
 from tqdm import tqdm
 
 from executor_svc.packed_forward import Segment, pack, run_packed
-from executor_svc.quantization.corpus import calibration_texts, encode_texts, held_out_texts
+from executor_svc.quantization.corpus import calibration_texts, encode_texts, held_out_texts, text_lines
 from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.chat_prompts import chat_requests
 from executor_svc.speculative.draft_heads import HEAD_KINDS, AnyDraftHeads, make_heads
@@ -174,10 +174,8 @@ def training_texts(engine, config: DistillConfig, max_tokens: int, progress: boo
         if not tokenizer.has_chat_template:
             raise ValueError(f"the engine's tokenizer ({engine.engine_dir}) has no chat template: train with chat off")
         if config.data:
-            lines = [line.strip() for line in Path(config.data).read_text(encoding="utf-8").splitlines()]
-            requests, data = [line for line in lines if line][: config.num_texts], f"chat requests of {config.data}"
-            if not requests:
-                raise ValueError(f"{config.data} has no non-empty lines")
+            requests = text_lines(config.data, config.num_texts, "chat requests file")
+            data = f"chat requests of {config.data}"
         else:
             requests, data = chat_requests(config.num_texts), "built-in chat requests"
         eval_requests = chat_requests(config.num_eval_texts, held_out=True)
