@@ -32,7 +32,7 @@ log = logging.getLogger("inflight.build")
 
 REFERENCE = "torch"
 GEMV = "triton_gemv"  # plugins/gemm_decode.py: per-shape tactics, timed here at build
-FP8_DECODE = "triton_decode"  # the gemm_fp8 candidate of plugins/quant_gemm_decode.py: per-shape tactics too
+DECODE = "triton_decode"  # the gemm_fp8 / gemm_w4a16 candidate of plugins/quant_gemm_decode.py: per-shape tactics too
 # The arguments of one call, or of several calls timed together (their times add up).
 BenchArgs = Callable[[], tuple | list[tuple]]
 
@@ -205,7 +205,8 @@ def choose(
 # the variants on weight shapes and installs the fastest, the one that installs recorded ones).
 TACTIC_KERNELS = {
     "gemm": (GEMV, "plugins.gemm_decode", "tune_tactics", "set_tactics"),
-    "gemm_fp8": (FP8_DECODE, "plugins.quant_gemm_decode", "tune_fp8_tactics", "set_fp8_tactics"),
+    "gemm_fp8": (DECODE, "plugins.quant_gemm_decode", "tune_fp8_tactics", "set_fp8_tactics"),
+    "gemm_w4a16": (DECODE, "plugins.quant_gemm_decode", "tune_int4_tactics", "set_int4_tactics"),
 }
 
 

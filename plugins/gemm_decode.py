@@ -7,8 +7,8 @@ for these shapes and, for the narrow layers (Llama-3.1-8B's o and qkv
 projections), a split-K launch followed by a separate reduction kernel; on an
 H200 those layers read at about 72% of the copy bandwidth.
 
-The kernel here is the weight-only GEMV of plugins/quant_gemm_decode_kernels.py
-without the dequantization: each program streams a [BLOCK_N, BLOCK_K] tile of
+The kernel (``_float_gemv_kernel`` of plugins/quant_gemm_decode_kernels.py, which
+FP8 weights run too) streams a [BLOCK_N, BLOCK_K] tile of
 the weight per step (16-byte loads along K), keeps a float32 accumulator of the
 tile's shape so the cross-thread sum over K happens once per program instead of
 once per step, and K is split across programs whenever the output tiles alone
@@ -27,53 +27,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from plugins.quant_gemm_decode import _launch, num_sms
 from plugins.quant_gemm_decode_config import DecodeConfig, resolve_split
-from plugins.quant_gemm_decode_kernels import _float_gemv_step, _float_gemv_tile, _load_x, _write_tile
+from plugins.quant_gemm_decode_kernels import _float_gemv_kernel
 from plugins import gemv_tactics
-from plugins.pdl import enter
 from plugins.registry import register_kernel
 
 MAX_ROWS = 2  # above this the GEMV's per-row FMAs cost more than cuBLAS's tensor-core tiles save
-
-
-@triton.jit
-def _dense_gemv_kernel(
-    x_ptr, w_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
-    ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
-):
-    rm = tl.arange(0, BLOCK_M)
-    rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
-                                                              BLOCK_K, EVEN_K)
-    # Row 0's products are summed over K once, after the loop; a second row (ROWS 2) keeps its own.
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL and not PREFETCH:
-        # The first step's weights were requested before the wait, so they stream in while the previous
-        # kernel finishes; that step is done here and the loop starts at the second.
-        enter(PDL)
-        w32 = w.to(tl.float32)
-        k = first * BLOCK_K + rk
-        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
-        if ROWS == 2:
-            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
-        first += 1
-    else:
-        enter(PDL)
-    for step in range(first, last):
-        w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
-        k = step * BLOCK_K + rk
-        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
-        if ROWS == 2:
-            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
-    acc = tl.where(rm[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
-    if ROWS == 2:
-        acc += tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
-    _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
 
 
 def _config(block_n: int, block_k: int, num_warps: int) -> DecodeConfig:
@@ -111,7 +72,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | Non
     if m == 0:
         return out
     config = resolve_split(config or DEFAULT_CONFIG, m, n, k, num_sms(x.device))
-    return _launch(_dense_gemv_kernel, config, x, out, n, k, (weight,), (weight.stride(0),))
+    # the weight doubles as the (unread) scale pointer
+    return _launch(_float_gemv_kernel, config, x, out, n, k, (weight, weight), (weight.stride(0),), SCALED=False)
 
 
 # -- per-shape tactics: chosen by timing at build, recorded in the engine, set again at load --------

@@ -24,9 +24,9 @@ rows: at decode sizes the per-token activation quantization costs more
 kernels than the GEMM saves. The choice is made on the host from the shape,
 so each captured decode graph holds one path.
 
-FP8 GEMV tiles are chosen per weight shape at build (``tune_fp8_tactics``, timed from CUDA graphs,
-recorded in the engine, installed at load by ``set_fp8_tactics``; plugins/gemv_tactics.py), as the
-16-bit GEMV's are. Every kernel here is launched with programmatic dependent launch where the GPU has
+FP8 and INT4 GEMV tiles are chosen per weight shape at build (``tune_fp8_tactics``,
+``tune_int4_tactics``: timed from CUDA graphs, recorded in the engine, installed at load by
+``set_fp8_tactics`` / ``set_int4_tactics``; plugins/gemv_tactics.py), as the 16-bit GEMV's are. Every kernel here is launched with programmatic dependent launch where the GPU has
 it (plugins/pdl.py): it waits for the previous kernel only before reading activations.
 
 Split-K scratch: each launch allocates its float32 partials (from the caching
@@ -48,8 +48,8 @@ from plugins import gemv_tactics
 from plugins.pdl import pdl_launch_args
 from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, decode_config, dot_config, resolve_split
 from plugins.quant_gemm_decode_kernels import (
-    _fp8_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel,
-    _w8a16_gemv_kernel, _weight_dot_kernel,
+    _float_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel, _w8a16_gemv_kernel,
+    _weight_dot_kernel,
 )
 from plugins.quant_gemm_scaled_mm import gemm_fp8_scaled_mm
 from plugins.quant_gemm_triton import gemm_w4a16_triton, gemm_w8a16_triton
@@ -173,9 +173,11 @@ def w4a16_decode(
 ) -> torch.Tensor:
     """x [M, K], qweight [N, K/2] uint8 (even channel in the low nibble), scales/zeros [N, groups] -> [M, N].
 
-    ``pre_quant_scale`` [K] (AWQ) multiplies x first. ``config`` as for ``w8a16_decode``.
+    ``pre_quant_scale`` [K] (AWQ) multiplies x first. ``config`` as for ``w8a16_decode``; without one, a
+    single row runs the tile installed for the weight's shape (``set_int4_tactics``), if any.
     """
     n = qweight.shape[0]
+    config = config or _tactic(INT4_FORMAT, x, n, qweight.shape[1] * 2)
     x, config, out = _prepare("int4", x, n, x.dtype, config, group_size)
     if x.shape[0] == 0:
         return out
@@ -215,29 +217,52 @@ def fp8_weight_only_decode(
     shape (``set_fp8_tactics``), if any.
     """
     n = weight.shape[0]
-    if config is None and x.shape[0] == 1:
-        tactic = gemv_tactics.lookup(FP8_FORMAT, n, weight.shape[1])
-        config = FP8_TACTICS[tactic] if tactic else None
+    config = config or _tactic(FP8_FORMAT, x, n, weight.shape[1])
     x, config, out = _prepare("fp8", x, n, out_dtype or x.dtype, config)
     if x.shape[0] == 0:
         return out
-    kernel, constants = (_fp8_gemv_kernel, {}) if config.fma else (_weight_dot_kernel, {"PRECISION": _precision(x.dtype), "PER_CHANNEL": False})
+    kernel, constants = ((_float_gemv_kernel, {"SCALED": True}) if config.fma else
+                         (_weight_dot_kernel, {"PRECISION": _precision(x.dtype), "PER_CHANNEL": False}))
     return _launch(kernel, config, x, out, n, x.shape[1], (weight, w_scale), (weight.stride(0),), **constants)
 
 
-# -- FP8 per-shape tactics (plugins/gemv_tactics.py): timed at build, installed at load -----
+# -- per-shape GEMV tactics (plugins/gemv_tactics.py): timed at build, installed at load -----
 
 FP8_FORMAT = "fp8"
-# The one-row GEMV tiles a build times per FP8 weight shape; the first is decode_config's default.
-FP8_TACTICS = {
-    f"n{n} k{k} w{w}": DecodeConfig(fma=True, block_n=n, block_k=k, num_warps=w, num_stages=1)
-    for n, k, w in ((32, 256, 4), (16, 512, 4), (64, 256, 4), (32, 512, 4), (64, 256, 8), (16, 256, 4), (32, 256, 2))
-}
+INT4_FORMAT = "int4"
+
+
+def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int) -> dict[str, DecodeConfig]:
+    return {f"n{n} k{k} w{w}": DecodeConfig(fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages)
+            for n, k, w in tiles}
+
+
+# The one-row GEMV tiles a build times per weight shape; the first of each is decode_config's default.
+# FP8 keeps a float32 accumulator per weight of the tile, so tiles stay at 64 weights a thread or fewer;
+# INT4 keeps one per word (8 weights) and prefetches the next step's words.
+FP8_TACTICS = _tiles(((32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (16, 256, 4), (32, 128, 4),
+                      (64, 128, 4)), stages=1)
+INT4_TACTICS = _tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4),
+                       (128, 256, 8)), stages=2)
+TACTICS = {FP8_FORMAT: FP8_TACTICS, INT4_FORMAT: INT4_TACTICS}
+
+
+def _tactic(fmt: str, x: torch.Tensor, n: int, k: int) -> DecodeConfig | None:
+    """The tile installed for one row times an (n, k) weight of format ``fmt``, or None (the default)."""
+    if x.shape[0] != 1:
+        return None
+    name = gemv_tactics.lookup(fmt, n, k)
+    return TACTICS[fmt][name] if name else None
 
 
 def set_fp8_tactics(tactics: dict[str, str]) -> None:
     """Install per-shape FP8 GEMV tactics (``shape_key`` -> an FP8_TACTICS name), e.g. from an engine."""
     gemv_tactics.install(FP8_FORMAT, tactics, FP8_TACTICS)
+
+
+def set_int4_tactics(tactics: dict[str, str]) -> None:
+    """Install per-shape INT4 GEMV tactics (``shape_key`` -> an INT4_TACTICS name), e.g. from an engine."""
+    gemv_tactics.install(INT4_FORMAT, tactics, INT4_TACTICS)
 
 
 def tune_fp8_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
@@ -253,6 +278,30 @@ def tune_fp8_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype:
     }
     return gemv_tactics.tune(
         FP8_FORMAT, shapes, device, 1, make_weight,
+        lambda k, gen: torch.randn(1, k, generator=gen, device=device, dtype=dtype), candidates,
+    )
+
+
+TUNE_GROUP = 128  # INT4 tactics are timed with groups of this size (AWQ's usual), whatever the model's
+
+
+def tune_int4_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
+    """Time every INT4 GEMV tactic at one row on each (N, K) shape (groups of ``TUNE_GROUP``, an AWQ input
+    scale); install and return the fastest per shape."""
+
+    def make_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
+        groups = -(-k // TUNE_GROUP)
+        scales = torch.rand(n, groups, generator=gen, device=device).to(torch.float16) * 0.01
+        zeros = torch.full((n, groups), 8.0, device=device, dtype=torch.float16)
+        return packed, scales, zeros, torch.ones(k, device=device)
+
+    candidates = {
+        name: lambda x, q, s, z, pqs, c=config: w4a16_decode(x, q, s, z, TUNE_GROUP, pqs, config=c)
+        for name, config in INT4_TACTICS.items()
+    }
+    return gemv_tactics.tune(
+        INT4_FORMAT, [(n, k) for n, k in shapes if k % 8 == 0], device, 0.5 + 4 / TUNE_GROUP, make_weight,
         lambda k, gen: torch.randn(1, k, generator=gen, device=device, dtype=dtype), candidates,
     )
 

@@ -13,10 +13,15 @@ work between a load and its FMA is what decides whether it does.
   load element) and each value is moved by one shift and one mask into the
   mantissa of a float near 1.0: an INT4 code q becomes ``1 + q/16`` and an
   INT8 code ``1.5 + q/256``, exactly, with no int-to-float conversion (a
-  quarter-rate instruction). The offset is taken out per output channel once
-  per step through the sum of x: for INT4, ``sum x (q - z) = 16 sum x f - (16
-  + z) sum x``; the group scale multiplies the group's sum, not every weight.
-* FP8 weights are converted by the hardware (E4M3 pairs to half pairs).
+  quarter-rate instruction). The offset is taken out through the sum of x:
+  for INT4, ``sum x (q - z) = 16 sum x f - (16 + z) sum x``, per word (its 8
+  products in one FMA chain, then its group's scale and zero in two FMAs).
+* FP8 weights are converted by the hardware (E4M3 pairs to half pairs) and
+  share the 16-bit weights' kernel.
+* The 16-bit, FP8 and INT4 GEMVs keep a float32 accumulator per weight (per
+  word for INT4) that a thread reads, and sum across threads once, after the
+  loop: a sum every step costs shuffles and barriers in the loop, which on an
+  H200 left the INT4 GEMV at about a third of HBM bandwidth.
 * Triton does not pipeline loads that feed no ``tl.dot``; with PREFETCH the
   next step's weights are requested into registers before the current
   step's are used, doubling the bytes in flight per thread (for registers).
@@ -119,33 +124,6 @@ def _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K: tl.constexpr
 def _nibble_as_float(v):
     """Bits 19..22 of ``v`` as the top of 1.0's mantissa: 1 + nibble / 16."""
     return ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _int4_dot_words(w, x):
-    """sum over each word's 8 channels of (1 + q/16) x: int32 words ``w`` [..., W], float32 ``x`` [..., W, 2, 2, 2].
-
-    Word i holds channel 8i+j in bits 4j..4j+3, and x[..., i, a, b, c] is
-    channel 8i + 4a + 2b + c. x is split into its 8 phases (free: each thread
-    holds whole words' channels) so that the products of a word land in one
-    FMA chain; a tl.sum over them would add pairwise, costing half again.
-    """
-    x_even, x_odd = tl.split(x)
-    x_0_4, x_2_6 = tl.split(x_even)
-    x_1_5, x_3_7 = tl.split(x_odd)
-    x0, x4 = tl.split(x_0_4)
-    x2, x6 = tl.split(x_2_6)
-    x1, x5 = tl.split(x_1_5)
-    x3, x7 = tl.split(x_3_7)
-    acc = _nibble_as_float(w << 19) * x0
-    acc += _nibble_as_float(w << 15) * x1
-    acc += _nibble_as_float(w << 11) * x2
-    acc += _nibble_as_float(w << 7) * x3
-    acc += _nibble_as_float(w << 3) * x4
-    acc += _nibble_as_float(w >> 1) * x5
-    acc += _nibble_as_float(w >> 5) * x6
-    acc += _nibble_as_float(w >> 9) * x7
-    return acc
 
 
 @triton.jit
@@ -269,6 +247,45 @@ def _weight_dot_kernel(
 
 
 @triton.jit
+def _int4_dot_words(w, x0, x1, x2, x3, x4, x5, x6, x7):
+    """sum over each word's 8 channels of (1 + q/16) x_j: int32 words ``w`` [BLOCK_N, C, W], phases ``x_j``
+    [C, W] (the word's channel j), float32; one FMA chain per word."""
+    acc = _nibble_as_float(w << 19) * x0[None, :, :]
+    acc += _nibble_as_float(w << 15) * x1[None, :, :]
+    acc += _nibble_as_float(w << 11) * x2[None, :, :]
+    acc += _nibble_as_float(w << 7) * x3[None, :, :]
+    acc += _nibble_as_float(w << 3) * x4[None, :, :]
+    acc += _nibble_as_float(w >> 1) * x5[None, :, :]
+    acc += _nibble_as_float(w >> 5) * x6[None, :, :]
+    acc += _nibble_as_float(w >> 9) * x7[None, :, :]
+    return acc
+
+
+@triton.jit
+def _int4_row_step(acc, words, x_row, pqs_ptr, word_k, a, b, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr):
+    """``acc`` [BLOCK_N, C, W] plus one step's INT4 products with one row of x, word by word.
+
+    x is read with one 16-byte load per word ([C, W, 8]) and split into its eight phases. Per word,
+    ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s`` of the word's
+    group ([BLOCK_N, C, 1]).
+    """
+    channels = word_k[:, :, None] + tl.arange(0, 8)[None, None, :]
+    x = _load_x(x_row, channels, K, EVEN_K)
+    if HAS_PQS:
+        x *= _load_x(pqs_ptr, channels, K, EVEN_K)
+    x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
+    x_0_4, x_2_6 = tl.split(x_even)
+    x_1_5, x_3_7 = tl.split(x_odd)
+    x0, x4 = tl.split(x_0_4)
+    x2, x6 = tl.split(x_2_6)
+    x1, x5 = tl.split(x_1_5)
+    x3, x7 = tl.split(x_3_7)
+    x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
+    return acc + a * dots - b * x_sum[None, :, :]
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
@@ -276,49 +293,58 @@ def _w4a16_gemv_kernel(
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K
-    # channels is BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group.
-    NUM_CHUNKS: tl.constexpr = BLOCK_K // CHUNK
-    WORDS: tl.constexpr = CHUNK // 8
+    # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K channels
+    # is C = BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group, of W words.
+    # Each thread keeps a float32 accumulator per word it reads, so the sum across threads happens once,
+    # after the loop (as in the 16-bit GEMV); a chunk's group scale and zero are read once per row.
+    C: tl.constexpr = BLOCK_K // CHUNK
+    W: tl.constexpr = CHUNK // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rc = tl.arange(0, NUM_CHUNKS)
-    rw = tl.arange(0, WORDS)
-    rj = tl.arange(0, CHUNK)
+    rc = tl.arange(0, C)
+    rw = tl.arange(0, W)
     first = tl.program_id(1) * steps_per_split
     last = tl.minimum(first + steps_per_split, tl.cdiv(K, BLOCK_K))
     n_mask = rn < N
-    step_words = (rc[:, None] * WORDS + rw[None, :])[None, :, :]  # [1, chunks, words] within a step
+    step_words = (rc[:, None] * W + rw[None, :])[None, :, :]  # [1, C, W] within a step
     w_rows = w_ptr + rn[:, None, None] * stride_wn + step_words
     row_mask = n_mask[:, None, None]
     words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    enter(PDL)  # activations are read only after this
+    group_rows = rn[:, None] * stride_sn + rc[None, :]  # a chunk is a whole group when C > 1
+    acc0 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
+    acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    enter(PDL)  # activations are read only after this; the first step's words are already on their way
     for step in range(first, last):
         if PREFETCH:  # request the next step's words before using this step's (the last re-requests its own)
             current = words
-            words = _load_words(w_rows, tl.minimum(step + 1, last - 1) * (BLOCK_K // 8), row_mask, step_words, K // 8,
-                                EVEN_K)
+            words = _load_words(w_rows, tl.minimum(step + 1, last - 1) * (BLOCK_K // 8), row_mask, step_words,
+                                K // 8, EVEN_K)
+        elif step == first:
+            current = words
         else:
             current = _load_words(w_rows, step * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
         chunk_k = step * BLOCK_K + rc * CHUNK  # first channel of each chunk
-        group_mask = n_mask[:, None] & (chunk_k < K)[None, :]
-        group_offs = rn[:, None] * stride_sn + (chunk_k // GROUP)[None, :]
-        scale = tl.load(scale_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)  # [BLOCK_N, chunks]
+        group_offs = group_rows + (step * BLOCK_K) // GROUP
+        if EVEN_K:
+            group_mask = n_mask[:, None]
+        else:
+            group_mask = n_mask[:, None] & (chunk_k < K)[None, :]
+        scale = tl.load(scale_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)  # [BLOCK_N, C]
         zero = tl.load(zero_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)
-        k = chunk_k[:, None] + rj[None, :]  # [chunks, CHUNK]
-        if HAS_PQS:
-            pqs = _load_x(pqs_ptr, k, K, EVEN_K)
-        for m in tl.static_range(ROWS):
-            x = _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)
-            if HAS_PQS:
-                x = x * pqs
-            x_words = tl.reshape(x, (NUM_CHUNKS, WORDS, 2, 2, 2))[None, :, :, :, :, :]
-            dots = tl.sum(_int4_dot_words(current, x_words), axis=2)  # [BLOCK_N, chunks]: sum x (1 + q/16)
-            # per chunk: sum x (q - z) = 16 sum x (1 + q/16) - (16 + z) sum x, times the group's scale
-            x_sum = tl.sum(x, axis=1)
-            part = tl.sum((16.0 * dots - (16.0 + zero) * x_sum[None, :]) * scale, axis=1)
-            acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        a = (16.0 * scale)[:, :, None]
+        b = ((16.0 + zero) * scale)[:, :, None]
+        word_k = chunk_k[:, None] + rw[None, :] * 8  # [C, W]: first channel of each word
+        acc0 = _int4_row_step(acc0, current, x_ptr, pqs_ptr, word_k, a, b, K, HAS_PQS, EVEN_K)
+        if ROWS >= 2:
+            acc1 = _int4_row_step(acc1, current, x_ptr + stride_xm, pqs_ptr, word_k, a, b, K, HAS_PQS, EVEN_K)
+        for m in tl.static_range(2, ROWS):  # rows past two: summed every step (registers stay bounded)
+            part = _int4_row_step(tl.zeros_like(acc0), current, x_ptr + m * stride_xm, pqs_ptr, word_k, a, b, K,
+                                  HAS_PQS, EVEN_K)
+            acc_rows += tl.where(rm[:, None] == m, tl.sum(tl.sum(part, axis=2), axis=1)[None, :], 0.0)
+    acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
+    if ROWS >= 2:
+        acc += tl.where(rm[:, None] == 1, tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :], 0.0)
     _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
 
 
@@ -420,24 +446,52 @@ def _w4a16_dot_kernel(
     _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
 
 
-# -- FP8 E4M3, one scale per tensor, 16-bit activations --------------------------------
+# -- 16-bit or FP8 E4M3 weights (FP8: one scale per tensor), 16-bit activations ------------
 
 
 @triton.jit
-def _fp8_gemv_kernel(
+def _float_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
 ):
+    """Weights read element by element (16-bit, or FP8 converted by the hardware) times rows of x; with
+    SCALED the sum is multiplied by the per-tensor scale at ``scale_ptr``."""
     rm = tl.arange(0, BLOCK_M)
     rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
                                                               BLOCK_K, EVEN_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    enter(PDL)  # activations are read only after this
+    # Rows 0 and 1 keep float32 accumulators of the tile's shape, summed over K once, after the loop;
+    # rows past two (only on request: decode_config sends them to tl.dot) are summed every step.
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if PDL and not PREFETCH:
+        # The first step's weights were requested before the wait, so they stream in while the previous
+        # kernel finishes; that step is done here and the loop starts at the second.
+        enter(PDL)
+        w32 = w.to(tl.float32)
+        k = first * BLOCK_K + rk
+        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
+        if ROWS >= 2:
+            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
+        for m in tl.static_range(2, ROWS):
+            part = tl.sum(w32 * _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)[None, :], axis=1)
+            acc_rows += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        first += 1
+    else:
+        enter(PDL)
     for step in range(first, last):
         w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
         k = step * BLOCK_K + rk
-        for m in tl.static_range(ROWS):
-            x = _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)
-            acc += tl.where(rm[:, None] == m, tl.sum(w32 * x[None, :], axis=1)[None, :], 0.0)
-    _write_tile(acc * tl.load(scale_ptr), rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
+        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
+        if ROWS >= 2:
+            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
+        for m in tl.static_range(2, ROWS):
+            part = tl.sum(w32 * _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)[None, :], axis=1)
+            acc_rows += tl.where(rm[:, None] == m, part[None, :], 0.0)
+    acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if ROWS >= 2:
+        acc += tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
+    if SCALED:
+        acc = acc * tl.load(scale_ptr)
+    _write_tile(acc, rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)

@@ -122,6 +122,12 @@ def test_fp8_weight_only_decode_matches_reference(case, dtype):
     _close(out, gemm_fp8(x, None, weight, w_scale, dtype), dtype)
 
 
+def _int4_operands(rows: int, k: int, n: int) -> tuple[torch.Tensor, tuple]:
+    x, w = _operands(rows, k, n, torch.float32)
+    pqs = (torch.rand(k, generator=torch.Generator().manual_seed(k)) + 0.5).to(DEVICE)
+    return x, (*qz.quantize_int4_groupwise(w, 128), 128, pqs)
+
+
 @pytest.mark.parametrize("tactic", list(decode.FP8_TACTICS))
 def test_every_fp8_tactic_matches_reference(tactic):
     x, w = _operands(1, 200, 40, torch.float32)
@@ -130,9 +136,18 @@ def test_every_fp8_tactic_matches_reference(tactic):
     _close(out, gemm_fp8(x, None, weight, w_scale, torch.float32), torch.float32)
 
 
-def test_fp8_tactics_route_one_row_of_their_shape(monkeypatch):
+@pytest.mark.parametrize("tactic", list(decode.INT4_TACTICS))
+def test_every_int4_tactic_matches_reference(tactic):
+    x, weight = _int4_operands(2, 576, 40)  # two groups a step at block_k 256, a short last group
+    for rows in (1, 2):
+        out = decode.w4a16_decode(x[:rows], *weight, config=decode.INT4_TACTICS[tactic])
+        _close(out, gemm_w4a16(x[:rows], *weight), torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_gemv_tactics_route_one_row_of_their_shape(monkeypatch, fmt):
     from executor_svc.engine_file import PluginChoice
-    from executor_svc.kernel_selection import FP8_DECODE, apply_tactics
+    from executor_svc.kernel_selection import DECODE, apply_tactics
     from plugins import gemv_tactics
 
     monkeypatch.setattr(gemv_tactics, "_tables", {})
@@ -140,32 +155,44 @@ def test_fp8_tactics_route_one_row_of_their_shape(monkeypatch):
     launch = decode._launch
     monkeypatch.setattr(decode, "_launch", lambda kernel, config, *a, **kw: launched.append(config) or launch(
         kernel, config, *a, **kw))
-    apply_tactics({"gemm_fp8": PluginChoice(name=FP8_DECODE, requested="auto", tactics={"40x200": "n16 k512 w4"})})
-    x, w = _operands(3, 200, 40, torch.float32)
-    weight, w_scale = qz.quantize_fp8_per_tensor(w)
+    if fmt == "fp8":
+        kind, tactic, k = "gemm_fp8", "n16 k512 w4", 200
+        x, w = _operands(3, k, 40, torch.float32)
+        weight = qz.quantize_fp8_per_tensor(w)
+        run, reference = (lambda x, wt: decode.fp8_weight_only_decode(x, *wt, torch.float32),
+                          lambda x, wt: gemm_fp8(x, None, *wt, torch.float32))
+        other = qz.quantize_fp8_per_tensor(_operands(1, k, 48, torch.float32)[1])
+    else:
+        kind, tactic, k = "gemm_w4a16", "n128 k128 w8", 576
+        x, weight = _int4_operands(3, k, 40)
+        run, reference = lambda x, wt: decode.w4a16_decode(x, *wt), lambda x, wt: gemm_w4a16(x, *wt)
+        other = _int4_operands(1, k, 48)[1]
+    apply_tactics({kind: PluginChoice(name=DECODE, requested="auto", tactics={f"40x{k}": tactic})})
     for rows in (1, 3):
-        out = decode.fp8_weight_only_decode(x[:rows], weight, w_scale, torch.float32)
-        _close(out, gemm_fp8(x[:rows], None, weight, w_scale, torch.float32), torch.float32)
-    assert (launched[0].block_n, launched[0].block_k) == (16, 512)  # one row: the shape's tactic
+        _close(run(x[:rows], weight), reference(x[:rows], weight), torch.float32)
+    chosen = decode.TACTICS[fmt][tactic]
+    assert (launched[0].block_n, launched[0].block_k) == (chosen.block_n, chosen.block_k)  # one row: the tactic
     assert not launched[1].fma  # three rows: decode_config's tl.dot tiles, whatever the tactic says
-    other = _operands(1, 200, 48, torch.float32)[1]
-    decode.fp8_weight_only_decode(x[:1], *qz.quantize_fp8_per_tensor(other), torch.float32)
-    assert (launched[2].block_n, launched[2].block_k) == (32, 256)  # a shape without one: the default
-    with pytest.raises(ValueError, match="unknown fp8 GEMV tactic"):
-        decode.set_fp8_tactics({"8x8": "fastest"})
+    run(x[:1], other)
+    default = next(iter(decode.TACTICS[fmt].values()))
+    assert (launched[2].block_n, launched[2].block_k) == (default.block_n, default.block_k)  # no tactic: the default
+    with pytest.raises(ValueError, match=f"unknown {fmt} GEMV tactic"):
+        (decode.set_fp8_tactics if fmt == "fp8" else decode.set_int4_tactics)({"8x8": "fastest"})
 
 
 @pytest.mark.skipif(not ON_GPU, reason="tactics are timed from CUDA graphs")
-def test_fp8_tactics_are_timed_per_shape_and_installed(monkeypatch):
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_gemv_tactics_are_timed_per_shape_and_installed(monkeypatch, fmt):
     from plugins import gemv_tactics
 
     monkeypatch.setattr(gemv_tactics, "_tables", {})
-    report = decode.tune_fp8_tactics([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16)
+    tune = decode.tune_fp8_tactics if fmt == "fp8" else decode.tune_int4_tactics
+    report = tune([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16)
     assert set(report) == {"1024x4096", "4096x1024"}
     for key, entry in report.items():
-        assert set(entry["timings_us"]) == set(decode.FP8_TACTICS)
+        assert set(entry["timings_us"]) == set(decode.TACTICS[fmt])
         assert entry["tactic"] == min(entry["timings_us"], key=entry["timings_us"].get)
-        assert gemv_tactics.lookup("fp8", *map(int, key.split("x"))) == entry["tactic"]
+        assert gemv_tactics.lookup(fmt, *map(int, key.split("x"))) == entry["tactic"]
 
 
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
@@ -286,8 +313,8 @@ for x in ("*bf16", "*fp16"):
             ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
              {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128}),
-            ("fp8 gemv", K._fp8_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c}),
-            ("dense gemv", G._dense_gemv_kernel, pointers(x, x), {**gemv, **rows_c}),
+            ("fp8 gemv", K._float_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "SCALED": True}),
+            ("dense gemv", K._float_gemv_kernel, pointers(x, x), {**gemv, **rows_c, "SCALED": False}),
         ]
     cases += [
         ("w8a16 dot", K._weight_dot_kernel, pointers(x, "*i8"), {**dot, "PER_CHANNEL": True}),
