@@ -262,17 +262,23 @@ def _int4_dot_words(w, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _int4_row_step(acc, words, x_row, pqs_ptr, word_k, a, b, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr):
-    """``acc`` [BLOCK_N, C, W] plus one step's INT4 products with one row of x, word by word.
-
-    x is read with one 16-byte load per word ([C, W, 8]) and split into its eight phases. Per word,
-    ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s`` of the word's
-    group ([BLOCK_N, C, 1]).
-    """
+def _int4_x(x_row, pqs_ptr, word_k, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row of x at the channels of words starting at ``word_k`` [C, W]: [C, W, 8] float32, one 16-byte
+    load per word, times the AWQ input scale."""
     channels = word_k[:, :, None] + tl.arange(0, 8)[None, None, :]
     x = _load_x(x_row, channels, K, EVEN_K)
     if HAS_PQS:
         x *= _load_x(pqs_ptr, channels, K, EVEN_K)
+    return x
+
+
+@triton.jit
+def _int4_row_step(acc, words, x, a, b):
+    """``acc`` [BLOCK_N, C, W] plus one step's INT4 products with one row of x ([C, W, 8]), word by word.
+
+    Per word, ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s``
+    of the word's group ([BLOCK_N, C, 1]).
+    """
     x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
     x_0_4, x_2_6 = tl.split(x_even)
     x_1_5, x_3_7 = tl.split(x_odd)
@@ -283,6 +289,20 @@ def _int4_row_step(acc, words, x_row, pqs_ptr, word_k, a, b, K, HAS_PQS: tl.cons
     x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
     return acc + a * dots - b * x_sum[None, :, :]
+
+
+@triton.jit
+def _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                 GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+    """The scales and zeros [BLOCK_N, C] of step ``step``'s chunks, as stored."""
+    group_offs = group_rows + (step * BLOCK_K) // GROUP
+    if EVEN_K:
+        group_mask = n_mask[:, None]
+    else:
+        group_mask = n_mask[:, None] & (step * BLOCK_K + rc * CHUNK < K)[None, :]
+    scale = tl.load(scale_ptr + group_offs, mask=group_mask, other=0.0)
+    zero = tl.load(zero_ptr + group_offs, mask=group_mask, other=0.0)
+    return scale, zero
 
 
 @triton.jit
@@ -297,6 +317,8 @@ def _w4a16_gemv_kernel(
     # is C = BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group, of W words.
     # Each thread keeps a float32 accumulator per word it reads, so the sum across threads happens once,
     # after the loop (as in the 16-bit GEMV); a chunk's group scale and zero are read once per row.
+    # With PREFETCH everything a step reads (words, scales and zeros, the first two rows of x) is
+    # requested a step ahead: a step's few loads otherwise wait out a round trip to L2 each.
     C: tl.constexpr = BLOCK_K // CHUNK
     W: tl.constexpr = CHUNK // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -309,38 +331,48 @@ def _w4a16_gemv_kernel(
     step_words = (rc[:, None] * W + rw[None, :])[None, :, :]  # [1, C, W] within a step
     w_rows = w_ptr + rn[:, None, None] * stride_wn + step_words
     row_mask = n_mask[:, None, None]
-    words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
     group_rows = rn[:, None] * stride_sn + rc[None, :]  # a chunk is a whole group when C > 1
+    chunk_words = rc[:, None] * CHUNK + rw[None, :] * 8  # [C, W]: each word's first channel within a step
+    words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
+    scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, first, n_mask, rc, K, BLOCK_K, CHUNK, GROUP, EVEN_K)
     acc0 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
     acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    enter(PDL)  # activations are read only after this; the first step's words are already on their way
+    enter(PDL)  # activations are read only after this; the first step's weights are already on their way
+    x0 = _int4_x(x_ptr, pqs_ptr, first * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
+    x1 = x0
+    if ROWS >= 2:
+        x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, first * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
     for step in range(first, last):
-        if PREFETCH:  # request the next step's words before using this step's (the last re-requests its own)
-            current = words
-            words = _load_words(w_rows, tl.minimum(step + 1, last - 1) * (BLOCK_K // 8), row_mask, step_words,
-                                K // 8, EVEN_K)
+        word_k = step * BLOCK_K + chunk_words
+        if PREFETCH:  # the next step's inputs before this step's are used (the last re-requests its own)
+            ahead = tl.minimum(step + 1, last - 1)
+            current, cur_scale, cur_zero, cur_x0, cur_x1 = words, scale, zero, x0, x1
+            words = _load_words(w_rows, ahead * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
+            scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, ahead, n_mask, rc, K, BLOCK_K, CHUNK, GROUP,
+                                       EVEN_K)
+            x0 = _int4_x(x_ptr, pqs_ptr, ahead * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
+            if ROWS >= 2:
+                x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, ahead * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
         elif step == first:
-            current = words
+            current, cur_scale, cur_zero, cur_x0, cur_x1 = words, scale, zero, x0, x1
         else:
             current = _load_words(w_rows, step * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
-        chunk_k = step * BLOCK_K + rc * CHUNK  # first channel of each chunk
-        group_offs = group_rows + (step * BLOCK_K) // GROUP
-        if EVEN_K:
-            group_mask = n_mask[:, None]
-        else:
-            group_mask = n_mask[:, None] & (chunk_k < K)[None, :]
-        scale = tl.load(scale_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)  # [BLOCK_N, C]
-        zero = tl.load(zero_ptr + group_offs, mask=group_mask, other=0.0).to(tl.float32)
-        a = (16.0 * scale)[:, :, None]
-        b = ((16.0 + zero) * scale)[:, :, None]
-        word_k = chunk_k[:, None] + rw[None, :] * 8  # [C, W]: first channel of each word
-        acc0 = _int4_row_step(acc0, current, x_ptr, pqs_ptr, word_k, a, b, K, HAS_PQS, EVEN_K)
+            cur_scale, cur_zero = _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K, CHUNK,
+                                               GROUP, EVEN_K)
+            cur_x0 = _int4_x(x_ptr, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
+            cur_x1 = cur_x0
+            if ROWS >= 2:
+                cur_x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
+        scale32 = cur_scale.to(tl.float32)
+        a = (16.0 * scale32)[:, :, None]
+        b = ((16.0 + cur_zero.to(tl.float32)) * scale32)[:, :, None]
+        acc0 = _int4_row_step(acc0, current, cur_x0, a, b)
         if ROWS >= 2:
-            acc1 = _int4_row_step(acc1, current, x_ptr + stride_xm, pqs_ptr, word_k, a, b, K, HAS_PQS, EVEN_K)
+            acc1 = _int4_row_step(acc1, current, cur_x1, a, b)
         for m in tl.static_range(2, ROWS):  # rows past two: summed every step (registers stay bounded)
-            part = _int4_row_step(tl.zeros_like(acc0), current, x_ptr + m * stride_xm, pqs_ptr, word_k, a, b, K,
-                                  HAS_PQS, EVEN_K)
+            x_m = _int4_x(x_ptr + m * stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
+            part = _int4_row_step(tl.zeros_like(acc0), current, x_m, a, b)
             acc_rows += tl.where(rm[:, None] == m, tl.sum(tl.sum(part, axis=2), axis=1)[None, :], 0.0)
     acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
     if ROWS >= 2:
