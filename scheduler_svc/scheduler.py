@@ -38,7 +38,8 @@ are simply written again by the next step. How long k is follows the load
 plan, so it runs without overlapped scheduling (which comes back while the
 load keeps speculation off). What overlap would hide, the round trip between
 one verification and the next, chained rounds hide instead: when none waits and
-every running request is in generation (``_chainable``), a step may run up to
+every running request is in generation (``_chain_draft_limit``, which also caps
+k so that a round's rows fit the executor's batch), a step may run up to
 ``max_speculative_rounds`` rounds of k drafts for every request, the executor
 looking up the later rounds' drafts on the device (a request the host had no
 drafts for starts from padding); the step computes R * (1 + k) tokens per
@@ -171,9 +172,9 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step) -> None:
         order = self._running_order()
-        chainable = self._chainable(order)
-        draft_length, drafts_of = self._choose_draft_length(order, chainable)
-        rounds = self._chained_rounds(order, draft_length, chainable)
+        chain_limit = self._chain_draft_limit(order)
+        draft_length, drafts_of = self._choose_draft_length(order, chain_limit)
+        rounds = self._chained_rounds(order, draft_length, chain_limit > 0)
         max_seq_len = self.config.max_seq_len
         propose_now = self.draft_policy.drafts_to_propose() if self.config.max_draft_tokens else 0
         step.drafts_to_propose = propose_now
@@ -246,26 +247,34 @@ class Scheduler:
         ) - 1
         return request.draft_token_ids[: max(0, room)]
 
-    def _chainable(self, order: list[Request]) -> bool:
-        """Whether this step may chain verification rounds: the executor can, no request waits (it would
-        wait for every round), every running request is in generation, its last token known, and may
-        speculate, and the rows of the longest chains stay within the executor's batch: past it a round
-        leaves the CUDA graphs and waits for the host, and chaining would gain nothing."""
+    def _chain_draft_limit(self, order: list[Request]) -> int:
+        """The most drafts per request this step may chain verification rounds with; 0: it may not chain.
+
+        It may when the executor can, no request waits (it would wait for every round), every running
+        request is in generation, its last token known, and may speculate. The rows of a round (a
+        request's last token and its drafts) must stay within the executor's batch: past it a round
+        leaves the CUDA graphs and waits for the host, and chaining would gain nothing. So a batch too
+        large for the longest chains still chains shorter ones (64 requests in a batch of 256: up to 3).
+        """
         cfg = self.config
         if cfg.max_speculative_rounds <= 1 or not cfg.max_draft_tokens or self.waiting or not order:
-            return False
-        if len(order) * (1 + cfg.max_draft_tokens) > cfg.max_batch_size:
-            return False
-        return all(
+            return 0
+        limit = min(cfg.max_draft_tokens, cfg.max_batch_size // len(order) - 1)
+        if limit < 1:
+            return 0
+        chainable = all(
             r.can_speculate and not r.num_pending_outputs and not r.num_scheduled_drafts
             and r.num_computed_tokens == r.num_tokens - 1
             for r in order
         )
+        return limit if chainable else 0
 
-    def _choose_draft_length(self, order: list[Request], chainable: bool) -> tuple[int, dict[str, list[int]]]:
-        """The step's draft length, and the drafts each request may verify (cut to its limits)."""
+    def _choose_draft_length(self, order: list[Request], chain_limit: int) -> tuple[int, dict[str, list[int]]]:
+        """The step's draft length, and the drafts each request may verify (cut to its limits);
+        ``chain_limit`` from ``_chain_draft_limit``."""
         if not self.config.max_draft_tokens:
             return 0, {}
+        chainable = chain_limit > 0
         if not self._drafts_asked and not chainable:  # no plan asked for drafts since the last step: none to look for
             return self.draft_policy.choose([], 0), {}
         candidates, other, drafts_of = [], 0, {}
@@ -274,12 +283,14 @@ class Scheduler:
             if drafts or chainable:
                 drafts_of[request.request_id] = drafts
                 # Chained rounds verify K drafts for every request: the device looks up what the host did not.
-                num_drafts = self.config.max_draft_tokens if chainable else len(drafts)
+                num_drafts = chain_limit if chainable else len(drafts)
                 candidates.append(Candidate(request.request_id, num_drafts, request.acceptance.rate))
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
         draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting, chainable=chainable)
+        if chainable:  # longer chains would not fit the executor's batch (the policy prices them as no longer)
+            draft_length = min(draft_length, chain_limit)
         limit = self.draft_policy.verify_limit
         if limit is not None:  # a probe with room for only some of them: the first in order verify
             drafts_of = {c.request_id: drafts_of[c.request_id] for c in candidates[:limit]}
@@ -287,7 +298,7 @@ class Scheduler:
 
     def _chained_rounds(self, order: list[Request], draft_length: int, chainable: bool) -> int:
         """Verification rounds for this step: more than one only when the step may chain them
-        (``_chainable``; a request without drafts of its own starts from padding, and the device looks up
+        (``_chain_draft_limit``; a request without drafts of its own starts from padding, and the device looks up
         its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
         at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
         which then costs two rounds if wrong, not every round."""
