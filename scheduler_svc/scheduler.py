@@ -288,7 +288,8 @@ class Scheduler:
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting, chainable=chainable)
+        draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting, chainable=chainable,
+                                                asked=self._drafts_asked)
         if chainable:  # longer chains would not fit the executor's batch (the policy prices them as no longer)
             draft_length = min(draft_length, chain_limit)
         limit = self.draft_policy.verify_limit

@@ -54,6 +54,9 @@ speculation turning on resets it. A probe never grows a step past
 ``max_step_tokens`` (the executor's batch size: past it, single-token rows
 leave the CUDA graphs and a step costs several times more): only as many
 requests verify a draft as there is room for, and a full batch is not probed.
+Speculation also turns off when it is on but the drafts asked for do not come
+(the proposer finds none for any request, ``DRY_STEPS`` steps in a row): else
+the scheduler would keep waiting for every result, for nothing to verify.
 
 Steps that chain verification rounds on the device (see ``scheduler.py``)
 have no host round trip between rounds, so a round costs less than a single
@@ -83,6 +86,7 @@ TRIAL_ROUNDS = 2  # chained rounds of a trial K (see the module docstring)
 PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
+DRY_STEPS = 8  # steps in a row that asked for drafts and got none for any request: speculation turns off
 
 
 @dataclass(slots=True)
@@ -182,6 +186,7 @@ class DraftLengthPolicy:
         self.chained_costs = StepCosts()  # wall time per round of steps that chained verification rounds
         self._chainable = False  # this step may chain rounds: K > 0 is priced by chained_costs
         self.last_k = max_draft_tokens
+        self._dry_steps = 0  # steps in a row whose drafts were asked for and none came
         self._steps = 0
         self._probe_every = PROBE_EVERY
         self._probe_start = PROBE_EVERY  # the step (as counted by choose) where the next probe begins
@@ -191,18 +196,25 @@ class DraftLengthPolicy:
 
     def choose(
         self, candidates: list[Candidate], other_tokens: int, draining: bool = False, chainable: bool = False,
+        asked: bool = False,
     ) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens;
         ``draining``: no request waits, so no running request may get slower (see the module docstring);
-        ``chainable``: the step may chain verification rounds."""
+        ``chainable``: the step may chain verification rounds; ``asked``: the last step asked for drafts."""
         self._steps += 1
         self._chainable = chainable
         self.verify_limit = None
         self.trial = False
         if not candidates:
+            if self.last_k > 0 and asked:  # on, but the drafts asked for did not come
+                self._dry_steps += 1
+                if self._dry_steps >= DRY_STEPS:
+                    self.last_k, self._dry_steps = 0, 0
+                    self._probe_start = self._steps + self._probe_every
             if self.last_k == 0:  # off, and no request asked for drafts: a probe window may pass unused
                 self._schedule_probes(0)
             return self.last_k
+        self._dry_steps = 0
         if not self.adaptive:
             self.last_k = self.max_draft_tokens
             return self.last_k

@@ -285,6 +285,24 @@ def test_a_batch_too_large_for_the_longest_chains_chains_shorter_ones():
     assert {(c.num_rounds, c.num_scheduled_tokens) for c in plan.cached_requests} == {(1, 3)}
 
 
+def test_speculation_turns_off_when_the_drafts_asked_for_never_come():
+    """A batch too large to chain, whose proposer finds nothing: after DRY_STEPS steps that asked for drafts
+    and got none, speculation is off (steps overlap again, no drafts are asked for) until a probe."""
+    from scheduler_svc.speculation import DRY_STEPS
+
+    s = make_scheduler(max_draft_tokens=4, max_speculative_rounds=8, max_batch_size=8, max_num_tokens=256)
+    for rid in "abcdefgh":
+        s.add_request(make_request(rid, 20, max_tokens=100))
+    policy = s.draft_policy
+    for _ in range(DRY_STEPS + 1):  # the first step computes the prompts (it asks for drafts too)
+        assert not policy.allows_overlap() and policy.drafts_to_propose() == 4
+        plan = s.schedule()
+        assert all(not c.draft_token_ids for c in plan.cached_requests)
+        outputs = [RequestOutput(c.request_id, [100], []) for c in plan.new_requests + plan.cached_requests]
+        s.update(StepResult(plan.step_id, outputs, step_us=3000))
+    assert policy.last_k == 0 and policy.allows_overlap() and policy.drafts_to_propose() == 0
+
+
 def test_chained_rounds_need_no_drafts_from_the_host():
     s = make_scheduler(max_draft_tokens=2, max_speculative_rounds=3, adaptive_draft_length=False)
     s.add_request(make_request("a", 6, max_tokens=40))
