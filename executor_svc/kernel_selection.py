@@ -237,11 +237,19 @@ def record_tactics(choice: PluginChoice, tactics: dict[str, dict[str, dict]]) ->
 
 
 def apply_tactics(plugins: dict[str, PluginChoice]) -> None:
-    """Install the per-shape variants an engine's chosen kernels were built with (before they run)."""
+    """Install the per-shape variants an engine's chosen kernels were built with (before they run).
+
+    An engine built by another version of the kernels may name variants this one no longer has: its
+    shapes then run the default variant (a warning says so) rather than the engine failing to load.
+    """
     for kind, (name, module, _, install) in TACTIC_KERNELS.items():
         choice = plugins.get(kind)
         if choice is not None and choice.name == name and choice.tactics:
-            getattr(importlib.import_module(module), install)(choice.tactics)
+            try:
+                getattr(importlib.import_module(module), install)(choice.tactics)
+            except ValueError as exc:
+                log.warning("%s: the engine's per-shape tiles are not this version's (%s); its shapes run the "
+                            "default tile, rebuild the engine to time them again", kind, exc)
 
 
 def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device, dtype: torch.dtype) -> dict[str, PluginChoice]:

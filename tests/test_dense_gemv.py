@@ -95,10 +95,14 @@ def test_tactics_route_each_shape(fresh_tactics):
         gemv.set_tactics({"8x8": "fastest"})
 
 
-def test_engine_tactics_are_installed_at_load(fresh_tactics):
+def test_engine_tactics_are_installed_at_load(fresh_tactics, caplog):
     choice = PluginChoice(name=GEMV, requested="auto", tactics={"24x16": "n32 k128 w4"})
     apply_tactics({"gemm": choice})
     assert gemv_tactics.lookup("dense", 24, 16) == "n32 k128 w4"
+    # An engine from another version of the kernels, naming a tile this one lacks, still loads.
+    apply_tactics({"gemm": PluginChoice(name=GEMV, requested="auto", tactics={"48x16": "n7 k7 w7"})})
+    assert gemv_tactics.lookup("dense", 48, 16) is None
+    assert "rebuild the engine" in caplog.text
 
 
 def test_gemm_selection_times_a_decode_layer_and_a_context_chunk():
