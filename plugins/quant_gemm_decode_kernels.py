@@ -273,19 +273,27 @@ def _int4_x(x_row, pqs_ptr, word_k, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constex
 
 
 @triton.jit
-def _int4_row_step(acc, words, x, a, b):
-    """``acc`` [BLOCK_N, C, W] plus one step's INT4 products with one row of x ([C, W, 8]), word by word.
-
-    Per word, ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s``
-    of the word's group ([BLOCK_N, C, 1]).
-    """
-    x_even, x_odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
+def _phases(x):
+    """x [..., W, 2, 2, 2], where [..., i, a, b, c] is channel 8i + 4a + 2b + c, as its eight phases
+    [..., W] (phase j: channel 8i + j of every word i); free when each thread holds whole words."""
+    x_even, x_odd = tl.split(x)
     x_0_4, x_2_6 = tl.split(x_even)
     x_1_5, x_3_7 = tl.split(x_odd)
     x0, x4 = tl.split(x_0_4)
     x2, x6 = tl.split(x_2_6)
     x1, x5 = tl.split(x_1_5)
     x3, x7 = tl.split(x_3_7)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _int4_row_step(acc, words, x, a, b):
+    """``acc`` [BLOCK_N, C, W] plus one step's INT4 products with one row of x ([C, W, 8]), word by word.
+
+    Per word, ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s``
+    of the word's group ([BLOCK_N, C, 1]).
+    """
+    x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
     x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
     return acc + a * dots - b * x_sum[None, :, :]
@@ -454,13 +462,7 @@ def _w4a16_dot_kernel(
         else:
             w = tl.load(w_ptrs, mask=n_mask[None, :] & (word * 8 < K)[:, None], other=0)
         # x[:, 8i + 4a + 2b + c] -> the eight phases [BLOCK_M, WORDS]
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))
-        x_0_4, x_2_6 = tl.split(x_even)
-        x_1_5, x_3_7 = tl.split(x_odd)
-        x0, x4 = tl.split(x_0_4)
-        x2, x6 = tl.split(x_2_6)
-        x1, x5 = tl.split(x_1_5)
-        x3, x7 = tl.split(x_3_7)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))
         dots = tl.dot(x0, _int4_plane_codes(w, 0, DTYPE), input_precision=PRECISION)
         dots = tl.dot(x1, _int4_plane_codes(w, 1, DTYPE), dots, input_precision=PRECISION)
         dots = tl.dot(x2, _int4_plane_codes(w, 2, DTYPE), dots, input_precision=PRECISION)
@@ -479,6 +481,19 @@ def _w4a16_dot_kernel(
 
 
 # -- 16-bit or FP8 E4M3 weights (FP8: one scale per tensor), 16-bit activations ------------
+
+
+@triton.jit
+def _float_rows_step(acc0, acc1, acc_rows, w32, x_ptr, stride_xm, k, K, rm, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+    """One step's products of float32 weights ``w32`` [BLOCK_N, BLOCK_K] (channels ``k``) with each row of x:
+    rows 0 and 1 into their tile-shaped accumulators, later rows summed into ``acc_rows`` [BLOCK_M, BLOCK_N]."""
+    acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
+    if ROWS >= 2:
+        acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
+    for m in tl.static_range(2, ROWS):
+        part = tl.sum(w32 * _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)[None, :], axis=1)
+        acc_rows += tl.where(rm[:, None] == m, part[None, :], 0.0)
+    return acc0, acc1, acc_rows
 
 
 @triton.jit
@@ -501,26 +516,15 @@ def _float_gemv_kernel(
         # The first step's weights were requested before the wait, so they stream in while the previous
         # kernel finishes; that step is done here and the loop starts at the second.
         enter(PDL)
-        w32 = w.to(tl.float32)
-        k = first * BLOCK_K + rk
-        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
-        if ROWS >= 2:
-            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
-        for m in tl.static_range(2, ROWS):
-            part = tl.sum(w32 * _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)[None, :], axis=1)
-            acc_rows += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        acc0, acc1, acc_rows = _float_rows_step(acc0, acc1, acc_rows, w.to(tl.float32), x_ptr, stride_xm,
+                                                first * BLOCK_K + rk, K, rm, ROWS, EVEN_K)
         first += 1
     else:
         enter(PDL)
     for step in range(first, last):
         w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
-        k = step * BLOCK_K + rk
-        acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
-        if ROWS >= 2:
-            acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
-        for m in tl.static_range(2, ROWS):
-            part = tl.sum(w32 * _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)[None, :], axis=1)
-            acc_rows += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        acc0, acc1, acc_rows = _float_rows_step(acc0, acc1, acc_rows, w32, x_ptr, stride_xm, step * BLOCK_K + rk, K,
+                                                rm, ROWS, EVEN_K)
     acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
     if ROWS >= 2:
         acc += tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)
