@@ -26,8 +26,9 @@ so each captured decode graph holds one path.
 
 FP8 and INT4 GEMV tiles are chosen per weight shape at build (``tune_fp8_tactics``,
 ``tune_int4_tactics``: timed from CUDA graphs, recorded in the engine, installed at load by
-``set_fp8_tactics`` / ``set_int4_tactics``; plugins/gemv_tactics.py), as the 16-bit GEMV's are. Every kernel here is launched with programmatic dependent launch where the GPU has
-it (plugins/pdl.py): it waits for the previous kernel only before reading activations.
+``set_fp8_tactics`` / ``set_int4_tactics``; plugins/gemv_tactics.py), as the 16-bit GEMV's are.
+Every kernel here is launched with programmatic dependent launch where the GPU has it
+(plugins/pdl.py): it waits for the previous kernel only before reading activations.
 
 Split-K scratch: each launch allocates its float32 partials (from the caching
 allocator, so no kernel runs), and the per-tile arrival counters live in one

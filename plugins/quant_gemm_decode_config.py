@@ -44,12 +44,14 @@ class DecodeConfig:
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the
 # compiled kernels' inner loops on sm_90 (instructions per weight read): the
-# INT4 GEMV costs about 4.7 at one row and 7.6 at two, its tl.dot kernel about
-# 6.4 (10 with the AWQ input scale); the INT8 and FP8 GEMVs about 5.5 and 4.2
-# at one row, their tl.dot kernels about 4.2-4.4 at any row count. At HBM
-# speed an H200 can spend about 3.9 per INT4 weight and 7.8 per INT8/FP8
-# weight, so INT8 and FP8 are bandwidth-bound either way and the GEMV mostly
-# matters for INT4 at batch 1. bench/quant_gemm_kernels.py measures both.
+# INT4 GEMV costs about 4.6 at one row, its tl.dot kernel about 6.4 (10 with
+# the AWQ input scale); the INT8 and FP8 GEMVs about 5.5 and 3.2 at one row,
+# their tl.dot kernels about 4.2-4.4 at any row count. At HBM speed an H200
+# can spend about 3.9 per INT4 weight and 7.8 per INT8/FP8 weight, so INT8 and
+# FP8 are bandwidth-bound either way. The INT4 GEMV is not: on an H200 its
+# gate_up projection streams at about 40% of the copy bandwidth, its
+# arithmetic, its reads of x and its loop's loads each taking a share.
+# bench/quant_gemm_kernels.py measures both.
 FMA_MAX_ROWS = {"int8": 1, "int4": 2, "fp8": 1}
 
 # GEMV tiles: 8 KiB of weights per program and step, 64 bytes per thread (four 16-byte loads).
