@@ -273,6 +273,17 @@ def _int4_x(x_row, pqs_ptr, word_k, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constex
 
 
 @triton.jit
+def _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS: tl.constexpr, HAS_PQS: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    """Rows 0 and 1 of x as ``_int4_x`` reads them (row 1 repeats row 0 when there is one row)."""
+    x0 = _int4_x(x_ptr, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
+    x1 = x0
+    if ROWS >= 2:
+        x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
+    return x0, x1
+
+
+@triton.jit
 def _phases(x):
     """x [..., W, 2, 2, 2], where [..., i, a, b, c] is channel 8i + 4a + 2b + c, as its eight phases
     [..., W] (phase j: channel 8i + j of every word i); free when each thread holds whole words."""
@@ -347,10 +358,7 @@ def _w4a16_gemv_kernel(
     acc1 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
     acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     enter(PDL)  # activations are read only after this; the first step's weights are already on their way
-    x0 = _int4_x(x_ptr, pqs_ptr, first * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
-    x1 = x0
-    if ROWS >= 2:
-        x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, first * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
+    x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, first * BLOCK_K + chunk_words, K, ROWS, HAS_PQS, EVEN_K)
     for step in range(first, last):
         word_k = step * BLOCK_K + chunk_words
         if PREFETCH:  # the next step's inputs before this step's are used (the last re-requests its own)
@@ -359,19 +367,15 @@ def _w4a16_gemv_kernel(
             words = _load_words(w_rows, ahead * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
             scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, ahead, n_mask, rc, K, BLOCK_K, CHUNK, GROUP,
                                        EVEN_K)
-            x0 = _int4_x(x_ptr, pqs_ptr, ahead * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
-            if ROWS >= 2:
-                x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, ahead * BLOCK_K + chunk_words, K, HAS_PQS, EVEN_K)
+            x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, ahead * BLOCK_K + chunk_words, K, ROWS, HAS_PQS,
+                                  EVEN_K)
         elif step == first:
             current, cur_scale, cur_zero, cur_x0, cur_x1 = words, scale, zero, x0, x1
         else:
             current = _load_words(w_rows, step * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
             cur_scale, cur_zero = _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K, CHUNK,
                                                GROUP, EVEN_K)
-            cur_x0 = _int4_x(x_ptr, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
-            cur_x1 = cur_x0
-            if ROWS >= 2:
-                cur_x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
+            cur_x0, cur_x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS, HAS_PQS, EVEN_K)
         scale32 = cur_scale.to(tl.float32)
         a = (16.0 * scale32)[:, :, None]
         b = ((16.0 + cur_zero.to(tl.float32)) * scale32)[:, :, None]

@@ -71,6 +71,7 @@ W4_CASES = [
     (3, 576, 40, 128, True, _dot(16, 128, 2)),
     (16, 192, 40, 64, False, _dot(32, 32, 3)),
     (1, 102, 24, 32, True, _gemv(16, 128, 1)),  # K % 8: not words
+    (2, 576, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=256, split_k=2, num_stages=1)),  # no prefetch
     (1, 256, 48, 128, True, None), (3, 256, 48, 128, True, None), (16, 256, 48, 128, False, None),
 ]
 FP8_CASES = [
