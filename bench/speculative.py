@@ -13,7 +13,8 @@ few hundred milliseconds, so ``--cycles C`` measures every mode C times in
 turn and reports each cycle's speedup and their median.
 Mode ``ngram`` chains up to ``--speculative-rounds`` verification rounds per
 step on the device; ``ngram_one_round`` verifies one round per step, for
-comparison.
+comparison. ``draft_heads_tree`` is ``draft_heads`` verifying tree drafts of
+``--draft-tree``'s shape instead of chains.
 
 ``verify-cost`` (random weights of a target and a draft of its family, e.g.
 Llama-3.1-8B and Llama-3.2-1B): step time of verifying k drafts against a
@@ -100,10 +101,15 @@ def _mode_config(name: str, args):
 
     # "none_serial": no speculation and no overlapped scheduling (what speculation gives up);
     # "ngram_one_round": prompt lookup verified one round per step (no rounds chained on the device).
-    base = {"none_serial": "none", "ngram_one_round": "ngram"}.get(name, name)
+    # "draft_heads_tree": draft heads verifying trees of --draft-tree's shape (greedy requests).
+    from executor_svc.speculative.draft_tree import parse_tree
+
+    base = {"none_serial": "none", "ngram_one_round": "ngram", "draft_heads_tree": "draft_heads"}.get(name, name)
     mode = SpeculativeMode("" if base == "none" else base)
     rounds = 1 if name == "ngram_one_round" else args.speculative_rounds
-    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, max_rounds=rounds)
+    tree = parse_tree(args.draft_tree) if name == "draft_heads_tree" else None
+    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, max_rounds=rounds,
+                             draft_tree=tree)
 
 
 async def _run(async_engine, requests, desc: str) -> dict:
@@ -158,7 +164,12 @@ def run_generate(args) -> dict:
     checkpoint, _ = resolve_model_source(args)
     # The largest batch, and at least one request's verification rows: an engine built for fewer rows
     # verifies outside its CUDA graphs and never chains rounds (h200_spec_ngram_max_batch1_smollm2.json).
-    max_batch = args.max_batch_size or max(max(args.batch_sizes), 1 + args.num_draft_tokens)
+    rows = 1 + args.num_draft_tokens
+    if "draft_heads_tree" in args.modes:  # a round of the tree is 1 + its nodes down to the draft length
+        from executor_svc.speculative.draft_tree import DraftTree, parse_tree
+
+        rows = 1 + DraftTree(parse_tree(args.draft_tree)).nodes_within(args.num_draft_tokens)
+    max_batch = args.max_batch_size or max(max(args.batch_sizes), rows)
     build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
@@ -186,8 +197,18 @@ def run_generate(args) -> dict:
 
         report["draft_heads"] = {"train_seconds": train_seconds, **read_heads_meta(engine_dir)}
 
+    graphs_with_masks: dict = {}
+
     async def measure(mode: str) -> dict:
-        engine = dataclasses.replace(base, speculative=_mode_config(mode, args))
+        spec = _mode_config(mode, args)
+        engine = dataclasses.replace(base, speculative=spec)
+        if spec.draft_tree is not None and base.decode_graphs is not None:
+            # Tree rows need graphs whose attention reads tree masks; the other modes keep the plain ones.
+            if "tree" not in graphs_with_masks:
+                from executor_svc.engine import capture_graphs
+
+                graphs_with_masks["tree"] = capture_graphs(base, tree_masks=True)
+            engine.decode_graphs = graphs_with_masks["tree"]
         limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=not args.fixed_draft_length,
                               overlap_scheduling=mode != "none_serial")
         executor = InProcessExecutor(engine)
@@ -468,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ngram-min", type=int, default=2)
         p.add_argument("--ngram-max", type=int, default=4)
         p.add_argument("--speculative-rounds", type=int, default=8, help="ngram and draft heads: most verification rounds chained per step")
+        p.add_argument("--draft-tree", default="default", help="mode draft_heads_tree: the tree's shape (see inflight serve)")
         p.add_argument("--max-num-tokens", type=int, default=8192)
         p.add_argument("--max-seq-len", type=int, default=4096)
         p.add_argument("--tokens-per-block", type=int, default=16)

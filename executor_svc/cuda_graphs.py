@@ -66,6 +66,7 @@ class DecodeGraphs:
         max_batch_size: int,
         max_seq_len: int,
         tokens_per_block: int,
+        tree_masks: bool = False,  # capture attention with per-row tree masks (draft trees verify through these graphs)
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -80,6 +81,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.slot_mapping = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.context_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
+        # -1 (see every key) except while a step of tree drafts runs, which sets its rows and resets them after.
+        self.tree_masks = torch.full((max_bs,), -1, dtype=torch.int64, device=device) if tree_masks else None
         self.block_tables = {w: torch.full((max_bs, w), scratch_block, dtype=torch.int64, device=device) for w in self.widths}
         self.rows = torch.arange(max_bs, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
@@ -97,6 +100,7 @@ class DecodeGraphs:
             single_query_rows=self.rows[:batch],
             single_query_tokens=self.rows[:batch],
             multi_query_rows=[],
+            tree_masks=self.tree_masks[:batch] if self.tree_masks is not None else None,
         )
 
     def _forward(self, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,6 +135,8 @@ class DecodeGraphs:
         self.positions.zero_()
         self.slot_mapping.fill_(self.scratch_block * self.tokens_per_block)
         self.context_lens.fill_(1)
+        if self.tree_masks is not None:
+            self.tree_masks.fill_(-1)
         for table in self.block_tables.values():
             table.fill_(self.scratch_block)
 
@@ -218,8 +224,10 @@ class DecodeGraphs:
         context_lens: torch.Tensor,  # [n] int64
         block_tables: torch.Tensor,  # [n, w] int64: each row's table (ids past its context are not read)
         max_context_len: int,  # a bound on context_lens, known on the host: picks the table width
+        tree_masks: torch.Tensor | None = None,  # [n] int64 packed masks of tree rows (graphs captured with them)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [n, vocab] float32, hidden [n, hidden]
-        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait."""
+        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait.
+        Rows given ``tree_masks`` keep them until ``clear_tree_masks``."""
         n = input_ids.shape[0]
         batch, width = self.bucket(n, max_context_len)
         self.bind_tables(batch, width, block_tables)
@@ -227,5 +235,14 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slots)
         self.context_lens[:n].copy_(context_lens)
+        if tree_masks is not None:
+            if self.tree_masks is None:
+                raise ValueError("tree masks given, but these graphs were captured without them")
+            self.tree_masks[:n].copy_(tree_masks)
         logits, hidden = self.replay(batch, width)
         return logits[:n], hidden[:n]
+
+    def clear_tree_masks(self, n: int) -> None:
+        """Give the first ``n`` rows plain causal attention again (after a step of tree drafts)."""
+        if self.tree_masks is not None:
+            self.tree_masks[:n].fill_(-1)

@@ -159,7 +159,7 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
     engine.speculative = runtime.speculative
     engine.kv_offload = KVOffload(kv_cache, num_blocks, KVOffload.blocks_for_budget(layout, runtime.host_cache_bytes))
     if device.type == "cuda" and runtime.cuda_graphs:
-        engine.decode_graphs = _capture_graphs(engine)
+        engine.decode_graphs = capture_graphs(engine, tree_masks=runtime.speculative.draft_tree is not None)
     if draft is not None:
         if draft.tokens_per_block != engine.tokens_per_block:
             raise ValueError(
@@ -170,7 +170,7 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
         draft.kv_cache = draft.layout.allocate(num_blocks + 1, device)
         draft.num_kv_blocks = num_blocks
         if engine.decode_graphs is not None:
-            draft.decode_graphs = _capture_graphs(draft)
+            draft.decode_graphs = capture_graphs(draft)
         engine.draft = draft
     return engine
 
@@ -194,10 +194,11 @@ def _kv_cache_record(manifest: EngineManifest, engine_dir: Path) -> KVCacheQuant
     return record
 
 
-def _capture_graphs(engine: Engine) -> DecodeGraphs:
+def capture_graphs(engine: Engine, tree_masks: bool = False) -> DecodeGraphs:
+    """CUDA graphs of ``engine``'s generation steps; ``tree_masks``: attention reads per-row tree masks."""
     graphs = DecodeGraphs(
         engine.model, engine.kv_cache, scratch_block=engine.num_kv_blocks, max_batch_size=engine.max_batch_size,
-        max_seq_len=engine.max_seq_len, tokens_per_block=engine.tokens_per_block,
+        max_seq_len=engine.max_seq_len, tokens_per_block=engine.tokens_per_block, tree_masks=tree_masks,
     )
     graphs.capture()
     return graphs

@@ -35,6 +35,7 @@ import torch
 from executor_svc.engine import Engine
 from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK, Segment, pack, run_packed, short_chunks_as_rows, to_device
 from executor_svc.sampler import RequestSamplingState, Sampler
+from executor_svc.speculative.draft_tree import DraftTree
 from executor_svc.speculative.proposer import DraftRequest, NgramLookup, build_proposer
 from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsRunner, emitted_tokens
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
@@ -120,16 +121,21 @@ class ModelRunner:
             self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
         # Verification rounds one step may chain: they draft on the device, which prompt lookup and draft heads can.
         self.max_rounds = engine.speculative.device_rounds if self.proposer is not None else 1
+        tree = self._draft_tree(engine)
+        if tree is not None:  # a tree of depth d verifies at most d drafts in a row
+            self.max_draft_tokens = min(self.max_draft_tokens, tree.depth)
         self.rounds = None
         if self.max_rounds > 1:
             chain, ngram_sizes = None, (1, 1)
             if isinstance(self.proposer, NgramLookup):
                 ngram_sizes = (self.proposer.min_n, self.proposer.max_n)
             else:  # draft heads; a chained step holds at most max_batch_size / (1 + k) requests
-                chain = self.proposer.device_chain(engine.max_batch_size // 2)
+                chain = self.proposer.device_chain(engine.max_batch_size // 2, tree)
             self.rounds = RoundsRunner(engine.model, engine.kv_cache, engine.decode_graphs, self.tokens_per_block,
                                        ngram_sizes, chain)
             self.rounds.warm_up(range(1, self.max_draft_tokens + 1))
+        # Tree drafts: tokens per request of a chained round of k drafts, k = 1.. (what the scheduler plans with).
+        self.draft_tree_rows = [self.rounds.round_rows(k) for k in range(1, self.max_draft_tokens + 1)] if tree else []
         # Short context chunks run as single-token rows when that makes the step a graph replay
         # (packed_forward.short_chunks_as_rows); 0 keeps every chunk a tile set.
         self.max_rows_per_chunk = MAX_ROWS_PER_CHUNK
@@ -203,6 +209,28 @@ class ModelRunner:
         self.host_cpu_seconds[phase] += time.thread_time() - cpu
         return spent
 
+    def _draft_tree(self, engine: Engine) -> DraftTree | None:
+        """The draft tree the speculative config asks for, checked against this engine (None: chains)."""
+        shape = engine.speculative.draft_tree
+        if shape is None or self.proposer is None:
+            return None
+        tree = DraftTree(shape)
+        if self.max_rounds <= 1:
+            raise ValueError("tree drafts are verified in chained rounds: allow more than one (--speculative-rounds)")
+        if engine.model_config.sliding_window:
+            raise ValueError(f"tree drafts are not supported for {engine.model_config.name}, which has sliding-window "
+                             "attention (a tree row's window would be counted in node slots, not positions)")
+        if engine.decode_graphs is not None and engine.decode_graphs.tree_masks is None:
+            raise ValueError("tree drafts need CUDA graphs captured with tree masks (load the engine with the tree)")
+        return tree
+
+    def _draft_length_of(self, rows: int) -> int:
+        """The draft length of a chained round with ``rows`` tokens per request (tree rounds have more than 1 + k);
+        0 when no draft length has that many."""
+        if self.draft_tree_rows:
+            return self.draft_tree_rows.index(rows) + 1 if rows in self.draft_tree_rows else 0
+        return rows - 1
+
     def launch(self, plan: StepPlan) -> LaunchedStep:
         started, cpu = time.perf_counter(), time.thread_time()
         if plan.swap_out or plan.swap_in:  # host-tier copies, before this step writes or reads those blocks
@@ -248,7 +276,7 @@ class ModelRunner:
                     errors[request_id] = problem
                     continue
                 drafts[request_id] = list(cached.draft_token_ids)
-                chained[request_id] = (cached.num_rounds, count // cached.num_rounds - 1)
+                chained[request_id] = (cached.num_rounds, self._draft_length_of(count // cached.num_rounds))
                 scheduled.append((request_id, state, count))
                 continue
             if cached.draft_token_ids:
@@ -321,13 +349,15 @@ class ModelRunner:
         rounds, count, drafts = cached.num_rounds, cached.num_scheduled_tokens, cached.draft_token_ids
         if not 1 < rounds <= self.max_rounds:
             return f"{rounds} verification rounds asked; this executor chains at most {self.max_rounds}"
-        if count % rounds or not 1 <= count // rounds - 1 <= self.max_draft_tokens:
+        k = self._draft_length_of(count // rounds)
+        if count % rounds or not 1 <= k <= self.max_draft_tokens:
+            per_round = f"one of {self.draft_tree_rows}" if self.draft_tree_rows else "1 + k"
             return (
-                f"{rounds} rounds need num_scheduled_tokens = rounds * (1 + k) with 1 <= k <= "
+                f"{rounds} rounds need num_scheduled_tokens = rounds * ({per_round}) with 1 <= k <= "
                 f"{self.max_draft_tokens}, got {count}"
             )
-        if len(drafts) > count // rounds - 1 or any(t < 0 or t >= self.vocab_size for t in drafts):
-            return f"{len(drafts)} drafts for rounds of {count // rounds - 1}, or a draft id outside [0, {self.vocab_size})"
+        if len(drafts) > k or any(t < 0 or t >= self.vocab_size for t in drafts):
+            return f"{len(drafts)} drafts for rounds of {k}, or a draft id outside [0, {self.vocab_size})"
         if state.pending or state.num_computed_tokens != len(state.token_ids) - 1:
             return (
                 f"verification rounds start after the last token: the request holds {state.num_tokens} tokens, "

@@ -42,6 +42,7 @@ def executor_info(runner: ModelRunner) -> ExecutorInfo:
         max_draft_tokens=runner.max_draft_tokens,
         drafts_need_lookahead_slots=spec.mode is SpeculativeMode.DRAFT_MODEL,
         max_speculative_rounds=runner.max_rounds,
+        draft_tree_rows=runner.draft_tree_rows,
     )
 
 

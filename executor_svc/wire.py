@@ -82,5 +82,5 @@ def info_to_pb(info: ExecutorInfo) -> ex.InfoResponse:
         max_num_tokens=info.max_num_tokens, max_seq_len=info.max_seq_len, device=info.device, dtype=info.dtype,
         num_host_blocks=info.num_host_blocks, speculative_mode=info.speculative_mode,
         max_draft_tokens=info.max_draft_tokens, drafts_need_lookahead_slots=info.drafts_need_lookahead_slots,
-        max_speculative_rounds=info.max_speculative_rounds,
+        max_speculative_rounds=info.max_speculative_rounds, draft_tree_rows=list(info.draft_tree_rows),
     )

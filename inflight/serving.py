@@ -28,8 +28,11 @@ def speculative_config_from_args(args: argparse.Namespace):
             raise SystemExit("inflight: --speculative draft_model needs --draft-model")
         # Built with the target's flags: the same tokens per block, dtype and limits.
         draft_dir = prepare_engine(args.draft_model, build_config_from_args(args), args.device, args.load_format)
+    from executor_svc.speculative.draft_tree import parse_tree
+
+    tree = parse_tree(args.draft_tree) if mode is SpeculativeMode.DRAFT_HEADS else None
     return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir,
-                             args.speculative_rounds)
+                             args.speculative_rounds, tree)
 
 
 def run_executor(args: argparse.Namespace) -> None:
@@ -103,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> None:
         *(["--enforce-eager"] if args.enforce_eager else []),
         "--speculative", args.speculative, "--num-draft-tokens", str(args.num_draft_tokens),
         "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
-        "--speculative-rounds", str(args.speculative_rounds),
+        "--speculative-rounds", str(args.speculative_rounds), "--draft-tree", args.draft_tree,
         *(["--draft-model", str(draft_dir)] if draft_dir else []),
     ]
     child = subprocess.Popen(executor_cmd)

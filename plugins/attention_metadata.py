@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+TREE_MASK_BITS = 64  # a tree mask covers the query's own key and the 63 before it
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -29,6 +31,11 @@ class AttentionMetadata:
     single_query_rows: torch.Tensor  # [num_single] int64, request indices
     single_query_tokens: torch.Tensor  # [num_single] int64, their token indices
     multi_query_rows: list[int]  # request indices with more than one query token
+    # Tree drafts (speculative decoding): per request, which of the 64 keys before and at its query it
+    # sees. Bit d of tree_masks[i] covers the key at position context_lens[i] - 1 - d; keys further back
+    # are always seen. -1 (every bit set) is the plain causal row. None: no request has a tree mask.
+    # Only single-token queries read it (``TREE_MASK_BITS``).
+    tree_masks: torch.Tensor | None = None  # [num_requests] int64
     # Tensors derived from the above that every layer needs (masks, gathered
     # tables), computed by the first layer that asks: the same for the whole step.
     derived: dict = field(default_factory=dict)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plugins.attention_metadata import AttentionMetadata
+from plugins.attention_metadata import TREE_MASK_BITS, AttentionMetadata
 from plugins.kv_cache_quant import as_bytes, dequantize_kv, from_bytes, quantize_kv
 from plugins.registry import register_kernel
 
@@ -83,6 +83,15 @@ def paged_attention(
     return out
 
 
+def tree_visible(masks: torch.Tensor, lens: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """Which keys packed tree masks let each query see: masks [B] int64, lens [B] (the query sits at
+    lens - 1), key_pos [1, L] -> [B, L] bool (see ``AttentionMetadata.tree_masks``)."""
+    back = lens[:, None] - 1 - key_pos  # how far behind the query each key sits
+    near = (back >= 0) & (back < TREE_MASK_BITS)
+    bits = (masks[:, None] >> back.clamp(0, TREE_MASK_BITS - 1)) & 1
+    return ~near | (bits == 1)
+
+
 def _single_query_layout(
     meta: AttentionMetadata, tokens_per_block: int, sliding_window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,5 +109,7 @@ def _single_query_layout(
         valid = key_pos < lens[:, None]  # [B, L]; the query sits at position lens - 1
         if sliding_window > 0:
             valid &= key_pos > lens[:, None] - 1 - sliding_window
+        if meta.tree_masks is not None:
+            valid &= tree_visible(meta.tree_masks.index_select(0, rows), lens, key_pos)
         meta.derived[key] = (tables, meta.single_query_tokens, valid[:, None, None, :])
     return meta.derived[key]

@@ -112,13 +112,14 @@ def _load_kv(ptrs, mask, DTYPE: tl.constexpr, KV_QUANT: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    rows_ptr, tokens_ptr, tables_ptr, lens_ptr,
+    rows_ptr, tokens_ptr, tables_ptr, lens_ptr, tree_masks_ptr,
     qk_scale, v_scale, split_len, num_splits, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr, PDL: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     enter(PDL)
     b = tl.program_id(0)
@@ -147,6 +148,8 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table = tables_ptr + row.to(tl.int64) * stride_table
+    if TREE:  # a draft-tree row: bit d of its mask says whether it sees the key d positions back
+        tree_mask = tl.load(tree_masks_ptr + row)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -158,11 +161,21 @@ def _decode_split_kernel(
             kv_mask, q.dtype, KV_QUANT,
         )  # [BLOCK_N, BLOCK_D]
         qk = _dot(q, tl.trans(k), DOT_MODE) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain (k_scale folded in)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        # Every iteration has at least one valid key, so m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
+        if TREE:
+            back = seq_len - 1 - offs_n
+            bit = (tree_mask >> tl.minimum(back, 63).to(tl.int64)) & 1
+            qk = tl.where(n_mask[None, :] & ((back >= 64) | (bit != 0))[None, :], qk, float("-inf"))
+            # A tile may hold only keys the mask hides (siblings' nodes): keep the exponents finite.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(qk - m_use[:, None])
+        else:
+            qk = tl.where(n_mask[None, :], qk, float("-inf"))
+            # Every iteration has at least one valid key, so m_new is finite.
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_kv(
             v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
@@ -248,13 +261,14 @@ def decode_attention(
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
         rows, tokens, meta.block_tables, meta.context_lens_t,
+        meta.tree_masks if meta.tree_masks is not None else rows,
         scale * LOG2_E * k_scale, v_scale, split_len, num_splits, heads,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
-        SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype), KV_QUANT=kv_quant,
+        SINGLE_SPLIT=single, DOT_MODE=dot_mode(q.dtype), KV_QUANT=kv_quant, TREE=meta.tree_masks is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if not single:

@@ -140,3 +140,4 @@ class ExecutorInfo:
     max_draft_tokens: int = 0  # most drafts proposed per request per step
     drafts_need_lookahead_slots: bool = False  # proposing k drafts writes KV k - 1 positions ahead
     max_speculative_rounds: int = 1  # verification rounds one step may chain on the device
+    draft_tree_rows: tuple[int, ...] = ()  # tree drafts: tokens per request of a chained round of k drafts (k - 1)

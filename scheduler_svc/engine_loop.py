@@ -136,6 +136,7 @@ class AsyncEngine:
             draft_lookahead_slots=info.drafts_need_lookahead_slots,
             adaptive_draft_length=lim.adaptive_draft_length,
             max_speculative_rounds=max(1, info.max_speculative_rounds),
+            draft_tree_rows=tuple(info.draft_tree_rows),
         )
         self.scheduler = Scheduler(config)
         self.scheduler.draft_policy.overlap_available = lim.overlap_scheduling

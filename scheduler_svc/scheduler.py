@@ -197,7 +197,7 @@ class Scheduler:
             budget = step.token_budget
             drafts = drafts_of.get(request_id, [])[:max(0, min(draft_length, budget - 1))] if drafts_of else []
             if rounds > 1:  # every request chains the same rounds (the executor pads short drafts)
-                count = rounds * (1 + draft_length)
+                count = rounds * self.config.round_rows(draft_length)
             elif drafts:
                 count = 1 + len(drafts)
             else:
@@ -255,11 +255,13 @@ class Scheduler:
         request's last token and its drafts) must stay within the executor's batch: past it a round
         leaves the CUDA graphs and waits for the host, and chaining would gain nothing. So a batch too
         large for the longest chains still chains shorter ones (64 requests in a batch of 256: up to 3).
+        With tree drafts a round of k drafts has more rows (``SchedulerConfig.round_rows``).
         """
         cfg = self.config
         if cfg.max_speculative_rounds <= 1 or not cfg.max_draft_tokens or self.waiting or not order:
             return 0
-        limit = min(cfg.max_draft_tokens, cfg.max_batch_size // len(order) - 1)
+        fits = cfg.max_batch_size // len(order)
+        limit = max((k for k in range(1, cfg.max_draft_tokens + 1) if cfg.round_rows(k) <= fits), default=0)
         if limit < 1:
             return 0
         chainable = all(
@@ -307,7 +309,7 @@ class Scheduler:
         policy = self.draft_policy
         if not chainable or draft_length <= 0 or policy.verify_limit is not None:
             return 1
-        rows = 1 + draft_length
+        rows = cfg.round_rows(draft_length)
         rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
         if policy.trial:
             rounds = min(rounds, TRIAL_ROUNDS)
@@ -466,7 +468,8 @@ class Scheduler:
     def _judged(self, request: Request, output: RequestOutput) -> None:
         """A step verified ``request``'s drafts, in one round or several, as ``output`` tells."""
         scheduled, rounds = request.num_scheduled_drafts, request.num_scheduled_rounds
-        k = (scheduled + 1) // rounds - 1  # drafts per round
+        # Drafts per round (a chained round of tree drafts has more rows than 1 + k).
+        k = self.config.draft_length_of((scheduled + 1) // rounds) if rounds > 1 else scheduled
         per_round = list(output.round_accepted[:rounds]) if rounds > 1 else [output.num_accepted_drafts]
         per_round = [min(max(a, 0), k) for a in per_round] + [0] * (rounds - len(per_round))
         # Of each round's k drafts, the real guesses: the rest padded rounds whose lookup found nothing.

@@ -31,6 +31,9 @@ class SchedulerConfig:
     # Verification rounds one step may chain when every running request verifies drafts and
     # none waits (the executor drafts the later rounds on the device); 1 = one round a step.
     max_speculative_rounds: int = 1
+    # Tree drafts: the rows per request of a chained round of k drafts (index k - 1: its last token and
+    # the tree's nodes of depth <= k). Empty: drafts form a chain, 1 + k rows.
+    draft_tree_rows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_num_tokens < self.tokens_per_block:
@@ -39,3 +42,15 @@ class SchedulerConfig:
             )
         if self.max_batch_size <= 0:
             raise ValueError(f"max_batch_size must be positive, got {self.max_batch_size}")
+
+    def round_rows(self, draft_length: int) -> int:
+        """Tokens per request of one chained verification round of ``draft_length`` drafts."""
+        if 0 < draft_length <= len(self.draft_tree_rows):
+            return self.draft_tree_rows[draft_length - 1]
+        return 1 + draft_length
+
+    def draft_length_of(self, rows: int) -> int:
+        """The draft length whose round has ``rows`` tokens per request (``round_rows`` inverted)."""
+        if rows in self.draft_tree_rows:
+            return self.draft_tree_rows.index(rows) + 1
+        return rows - 1

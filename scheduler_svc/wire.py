@@ -202,5 +202,5 @@ def info_from_pb(msg: ex.InfoResponse) -> ExecutorInfo:
         max_num_tokens=msg.max_num_tokens, max_seq_len=msg.max_seq_len, device=msg.device, dtype=msg.dtype,
         num_host_blocks=msg.num_host_blocks, speculative_mode=msg.speculative_mode,
         max_draft_tokens=msg.max_draft_tokens, drafts_need_lookahead_slots=msg.drafts_need_lookahead_slots,
-        max_speculative_rounds=max(1, msg.max_speculative_rounds),
+        max_speculative_rounds=max(1, msg.max_speculative_rounds), draft_tree_rows=tuple(msg.draft_tree_rows),
     )

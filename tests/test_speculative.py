@@ -501,7 +501,7 @@ def test_probes_stay_within_the_executors_batch():
 # -- end to end ------------------------------------------------------------------
 
 
-def _generate(engine, tokenizer, prompts, limits=None, sampling=None):
+def _generate(engine, tokenizer, prompts, limits=None, sampling=None, max_tokens=20):
     """Outputs and usage for ``prompts`` through a real AsyncEngine over ``engine``; checks for leaks."""
     from inflight.inprocess import InProcessExecutor
     from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
@@ -512,7 +512,7 @@ def _generate(engine, tokenizer, prompts, limits=None, sampling=None):
         try:
             async def one(i, prompt):
                 ids, usage = [], None
-                request = GenerationRequest(text=prompt, max_tokens=20, ignore_eos=True, **(sampling or {"temperature": 0.0}))
+                request = GenerationRequest(text=prompt, max_tokens=max_tokens, ignore_eos=True, **(sampling or {"temperature": 0.0}))
                 async for chunk in async_engine.generate(request):
                     ids.extend(chunk.token_ids)
                     usage = chunk.usage or usage

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from executor_svc.speculative.draft_tree import TreeTensors
+
 HEADS_NAME = "draft_heads.safetensors"
 HEADS_META_NAME = "draft_heads.json"
 FORMAT_VERSION = 2  # 2 added "kind" (files of version 1 are Medusa heads)
@@ -79,6 +81,19 @@ class DraftHeads(nn.Module):
         if not 1 <= num_tokens <= self.num_heads:
             raise ValueError(f"num_tokens must be in [1, {self.num_heads}], got {num_tokens}")
         return self._logits(hidden, model, num_tokens).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def propose_tree(
+        self, hidden: torch.Tensor, model: nn.Module, tree: TreeTensors, next_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tree drafts: hidden [N, H] -> [N, tree.num_nodes] int64, breadth-first. Head d's best guesses fill
+        depth d + 1, whatever the node's parent (Medusa's heads do not see earlier drafts)."""
+        if not 1 <= tree.k <= self.num_heads:
+            raise ValueError(f"a tree of depth {tree.k} needs at most {self.num_heads} heads")
+        logits = self._logits(hidden, model, tree.k)  # [N, k, V]
+        levels = [logits[:, d].topk(level.width, dim=-1).indices.index_select(1, level.ranks)
+                  for d, level in enumerate(tree.grow)]
+        return torch.cat(levels, dim=1)
 
     def _logits(self, hidden: torch.Tensor, model: nn.Module, k: int) -> torch.Tensor:
         states = self.head_states(hidden, k)  # [N, k, H]
@@ -152,6 +167,32 @@ class RecurrentDraftHead(nn.Module):
             token = model.compute_logits(state.to(hidden.dtype)).argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
+
+    @torch.inference_mode()
+    def propose_tree(
+        self, hidden: torch.Tensor, model: nn.Module, tree: TreeTensors, next_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tree drafts: hidden [N, H] (the row that chose ``next_tokens`` [N]) -> [N, tree.num_nodes] int64,
+        breadth-first. Every node with children steps the state of its parent with its own token, so each
+        branch drafts on from what it guessed; the children are that state's best guesses. No host sync."""
+        if not 1 <= tree.k <= self.num_heads:
+            raise ValueError(f"a tree of depth {tree.k} needs a head trained for at least that depth ({self.num_heads})")
+        if next_tokens is None:
+            raise ValueError("a recurrent draft head needs the token each hidden state chose (next_tokens)")
+        n, dim = hidden.shape[0], self.hidden_size
+        states = self.step(hidden.to(self.w_in.dtype), model.embed_tokens(next_tokens))[:, None]  # the root's: [N, 1, H]
+        levels = []
+        for d, level in enumerate(tree.grow):
+            logits = model.compute_logits(states.reshape(-1, dim).to(hidden.dtype)).view(n, states.shape[1], -1)
+            guesses = logits.topk(level.width, dim=-1).indices  # [N, expanding, width]
+            tokens = guesses[:, level.parent_pos, level.ranks]  # [N, level's nodes]
+            levels.append(tokens)
+            if d + 1 < len(tree.grow):  # the next level's expanding nodes step their parent's state
+                grow = tree.grow[d + 1].expanding
+                parents = states.index_select(1, level.parent_pos.index_select(0, grow))
+                chosen = tokens.index_select(1, grow)
+                states = self.step(parents.reshape(-1, dim), model.embed_tokens(chosen.reshape(-1))).view(n, -1, dim)
+        return torch.cat(levels, dim=1)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"w_in": self.w_in, "b_in": self.b_in, "w_out": self.w_out, "b_out": self.b_out}

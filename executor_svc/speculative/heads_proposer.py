@@ -14,6 +14,7 @@ import torch
 
 from executor_svc.packed_forward import to_device
 from executor_svc.speculative.draft_heads import load_draft_heads
+from executor_svc.speculative.draft_tree import DraftTree, TreeTensors
 from executor_svc.speculative.proposer import DraftRequest, SpeculativeMode
 
 
@@ -46,9 +47,10 @@ class HeadsProposer:
         table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
         return [row[: r.num_drafts] for row, r in zip(table, requests)]
 
-    def device_chain(self, max_requests: int) -> HeadsChain:
-        """The same heads, drafting between chained rounds on the device (``rounds.py``)."""
-        return HeadsChain(self.heads, self.model, max_requests, self.hidden_device, self.hidden_dtype)
+    def device_chain(self, max_requests: int, tree: DraftTree | None = None) -> HeadsChain:
+        """The same heads, drafting between chained rounds on the device (``rounds.py``); with ``tree``, the
+        rounds verify tree drafts."""
+        return HeadsChain(self.heads, self.model, max_requests, self.hidden_device, self.hidden_dtype, tree)
 
     def drop(self, request_id: str) -> None:
         pass
@@ -68,18 +70,32 @@ class HeadsChain:
     captured at engine load (``capture``): a recurrent chain of k drafts is
     some ten kernels per draft, which launched one by one would cost the host
     more than the round itself.
+
+    With a draft tree, ``draft_tree`` grows each request's tree instead (graphs
+    per bucket and depth too); the chain still drafts the next step's first
+    round, which the plan brings back.
     """
 
-    def __init__(self, heads, model, max_requests: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, heads, model, max_requests: int, device: torch.device, dtype: torch.dtype, tree: DraftTree | None = None,
+    ) -> None:
         from executor_svc.cuda_graphs import batch_buckets
 
-        self.heads, self.model = heads, model
+        self.heads, self.model, self.tree = heads, model, tree
+        self._tree_tensors: dict[int, TreeTensors] = {}
         self.buckets = batch_buckets(max(1, max_requests))
         top = self.buckets[-1]
         self.hidden = torch.zeros((top, heads.hidden_size), dtype=dtype, device=device)
         self.last_tokens = torch.zeros(top, dtype=torch.int64, device=device)
         self.hidden_rows = torch.zeros(top, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.tree_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def tree_tensors(self, k: int) -> TreeTensors:
+        """The tree's index tensors for draft length ``k`` (built once)."""
+        if k not in self._tree_tensors:
+            self._tree_tensors[k] = TreeTensors(self.tree, k, self.hidden.device)
+        return self._tree_tensors[k]
 
     @torch.inference_mode()
     def capture(self, draft_lengths) -> None:
@@ -91,26 +107,48 @@ class HeadsChain:
         stream.wait_stream(torch.cuda.current_stream(self.hidden.device))
         with torch.cuda.stream(stream):
             for k in draft_lengths:
-                for batch in reversed(self.buckets):
+                for i, batch in reversed(list(enumerate(self.buckets))):
                     self._propose(batch, k)  # warm-up: compiles kernels, sizes workspaces
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         drafts = self._propose(batch, k)
                     self.graphs[(batch, k)] = (graph, drafts)
+                    # Trees only for buckets whose smallest request count fits a round in the executor's batch.
+                    smallest = self.buckets[i - 1] + 1 if i else 1
+                    if self._tree_fits(k, smallest):
+                        self._propose_tree(batch, k)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=pool, stream=stream):
+                            nodes = self._propose_tree(batch, k)
+                        self.tree_graphs[(batch, k)] = (graph, nodes)
         torch.cuda.current_stream(self.hidden.device).wait_stream(stream)
         torch.cuda.synchronize(self.hidden.device)
+
+    def _tree_fits(self, k: int, num_requests: int) -> bool:
+        rows = 2 * self.buckets[-1] + 1  # the executor's batch (its chains hold at most half of it)
+        return self.tree is not None and k <= self.tree.depth and num_requests * (1 + self.tree.nodes_within(k)) <= rows
 
     def _propose(self, batch: int, k: int) -> torch.Tensor:
         return self.heads.propose(self.hidden[:batch], self.model, k, self.last_tokens[:batch])
 
+    def _propose_tree(self, batch: int, k: int) -> torch.Tensor:
+        return self.heads.propose_tree(self.hidden[:batch], self.model, self.tree_tensors(k), self.last_tokens[:batch])
+
+    def draft_tree(self, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
+        """``draft``, growing each request's tree of depth ``k``: [num_requests, nodes_within(k)]."""
+        return self._replay(self.tree_graphs, self._propose_tree, hidden, num_requests, k)
+
     def draft(self, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
         """[num_requests, k] drafts from rows ``hidden_rows`` of ``hidden`` and ``last_tokens`` (a view of a
         static buffer on the GPU: copy it before the next call)."""
+        return self._replay(self.graphs, self._propose, hidden, num_requests, k)
+
+    def _replay(self, graphs: dict, propose, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
         torch.index_select(hidden, 0, self.hidden_rows[:num_requests], out=self.hidden[:num_requests])
         bucket = next((b for b in self.buckets if b >= num_requests), None)
-        entry = self.graphs.get((bucket, k)) if bucket is not None else None
+        entry = graphs.get((bucket, k)) if bucket is not None else None
         if entry is None:
-            return self._propose(num_requests, k)
+            return propose(num_requests, k)
         graph, drafts = entry
         graph.replay()
         return drafts[:num_requests]

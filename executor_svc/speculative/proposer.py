@@ -37,8 +37,12 @@ class SpeculativeConfig:
     draft_engine_dir: Path | None = None  # DRAFT_MODEL: an engine of the same tokenizer
     # NGRAM and DRAFT_HEADS: most verification rounds one step chains on the device (speculative/rounds.py).
     max_rounds: int = 8
+    # DRAFT_HEADS: verify tree drafts of this shape (paths of guess ranks, ``draft_tree.py``); None: chains.
+    draft_tree: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_tree is not None and self.mode is not SpeculativeMode.DRAFT_HEADS:
+            raise ValueError(f"tree drafts need speculative mode draft_heads, not {self.mode.value or 'none'}")
         if self.mode is not SpeculativeMode.NONE and not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
         if not 1 <= self.max_rounds <= 64:
