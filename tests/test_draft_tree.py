@@ -90,9 +90,9 @@ def _tree_attention_step(tree: DraftTree, k: int, contexts: list[int], tokens_pe
     free = torch.randperm(num_blocks, generator=gen).tolist()
     tables = torch.tensor([[free.pop() for _ in range(blocks_each)] for _ in contexts], device=TEST_DEVICE)
     lens = torch.tensor(contexts, device=TEST_DEVICE) + 1  # + the root token
-    history = torch.zeros((len(contexts), max(contexts) + 1), dtype=torch.int64, device=TEST_DEVICE)
+    last = torch.zeros(len(contexts), dtype=torch.int64, device=TEST_DEVICE)
     nodes = torch.zeros((len(contexts), t.num_nodes), dtype=torch.int64, device=TEST_DEVICE)
-    _, _, _, context, masks = tree_round_inputs(history, lens, nodes, tables, t, tokens_per_block)
+    _, _, _, context, masks = tree_round_inputs(last, lens, nodes, tables, t, tokens_per_block)
     rows = len(contexts) * rows_per
     index = torch.arange(rows, device=TEST_DEVICE)
     meta = AttentionMetadata(
@@ -280,16 +280,16 @@ def tree_heads_dir(engine, tmp_path_factory):
 
 
 def test_tree_drafts_give_the_same_greedy_tokens(engine, tokenizer, tree_heads_dir, monkeypatch):
-    from executor_svc.speculative.rounds import RoundsRunner
+    from executor_svc.speculative.tree_rounds import TreeRounds
 
     plain, _, _ = _generate(engine, tokenizer, COPY_PROMPTS + PROMPTS[:3])
-    trees, real = [], RoundsRunner._run_tree
+    trees, real = [], TreeRounds.run
 
     def counting(self, requests, k, num_rounds, next_k):
         trees.append((len(requests), k, num_rounds))
         return real(self, requests, k, num_rounds, next_k)
 
-    monkeypatch.setattr(RoundsRunner, "_run_tree", counting)
+    monkeypatch.setattr(TreeRounds, "run", counting)
     speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4, max_rounds=3, draft_tree=DEFAULT_TREE)
     spec = dataclasses.replace(_with_tree_graphs(engine), engine_dir=tree_heads_dir, speculative=speculative)
     outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})

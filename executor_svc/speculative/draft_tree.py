@@ -178,7 +178,7 @@ class TreeLevel:
 
 
 def tree_round_inputs(
-    history: torch.Tensor,  # [B, W] each request's tokens
+    last: torch.Tensor,  # [B] each request's last token (the root)
     lens: torch.Tensor,  # [B] tokens held (the last is not in the cache yet)
     nodes: torch.Tensor,  # [B, n] the tree's draft tokens
     tables: torch.Tensor,  # [B, blocks] block tables
@@ -187,7 +187,7 @@ def tree_round_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A tree round's rows, [B, 1 + n] each: ids, rotary positions, KV slots, context lengths, masks."""
     base = (lens - 1)[:, None]
-    ids = torch.cat([history.gather(1, base), nodes], dim=1)
+    ids = torch.cat([last[:, None], nodes], dim=1)
     positions = base + t.depths
     seq = base + torch.arange(t.num_nodes + 1, device=lens.device)
     slots = tables.gather(1, seq // tokens_per_block) * tokens_per_block + seq % tokens_per_block
@@ -206,7 +206,7 @@ def tree_verdict(
     ok = torch.ones_like(ids, dtype=torch.bool)
     match = ids == target.index_select(1, t.parents)  # [B, 1 + n]; column 0 is meaningless
     for level in t.levels:  # parents come a level before their children
-        ok[:, level] = match[:, level] & ok.index_select(1, t.parents.index_select(0, level))
+        ok.index_copy_(1, level, match.index_select(1, level) & ok.index_select(1, t.parents.index_select(0, level)))
     score = ok * t.depths  # the deepest accepted node; argmax takes the first of equals
     best = score.argmax(dim=1)  # [B]
     accepted = t.depths.index_select(0, best)  # [B]

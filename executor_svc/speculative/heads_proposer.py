@@ -71,9 +71,9 @@ class HeadsChain:
     some ten kernels per draft, which launched one by one would cost the host
     more than the round itself.
 
-    With a draft tree, ``draft_tree`` grows each request's tree instead (graphs
-    per bucket and depth too); the chain still drafts the next step's first
-    round, which the plan brings back.
+    With a draft tree, the tree rounds (``tree_rounds.py``) grow trees from the
+    same buffers inside graphs of their own; the chain still drafts the next
+    step's first round, which the plan brings back.
     """
 
     def __init__(
@@ -89,7 +89,6 @@ class HeadsChain:
         self.last_tokens = torch.zeros(top, dtype=torch.int64, device=device)
         self.hidden_rows = torch.zeros(top, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.tree_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def tree_tensors(self, k: int) -> TreeTensors:
         """The tree's index tensors for draft length ``k`` (built once)."""
@@ -107,48 +106,26 @@ class HeadsChain:
         stream.wait_stream(torch.cuda.current_stream(self.hidden.device))
         with torch.cuda.stream(stream):
             for k in draft_lengths:
-                for i, batch in reversed(list(enumerate(self.buckets))):
+                for batch in reversed(self.buckets):
                     self._propose(batch, k)  # warm-up: compiles kernels, sizes workspaces
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream):
                         drafts = self._propose(batch, k)
                     self.graphs[(batch, k)] = (graph, drafts)
-                    # Trees only for buckets whose smallest request count fits a round in the executor's batch.
-                    smallest = self.buckets[i - 1] + 1 if i else 1
-                    if self._tree_fits(k, smallest):
-                        self._propose_tree(batch, k)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=stream):
-                            nodes = self._propose_tree(batch, k)
-                        self.tree_graphs[(batch, k)] = (graph, nodes)
         torch.cuda.current_stream(self.hidden.device).wait_stream(stream)
         torch.cuda.synchronize(self.hidden.device)
-
-    def _tree_fits(self, k: int, num_requests: int) -> bool:
-        rows = 2 * self.buckets[-1] + 1  # the executor's batch (its chains hold at most half of it)
-        return self.tree is not None and k <= self.tree.depth and num_requests * (1 + self.tree.nodes_within(k)) <= rows
 
     def _propose(self, batch: int, k: int) -> torch.Tensor:
         return self.heads.propose(self.hidden[:batch], self.model, k, self.last_tokens[:batch])
 
-    def _propose_tree(self, batch: int, k: int) -> torch.Tensor:
-        return self.heads.propose_tree(self.hidden[:batch], self.model, self.tree_tensors(k), self.last_tokens[:batch])
-
-    def draft_tree(self, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
-        """``draft``, growing each request's tree of depth ``k``: [num_requests, nodes_within(k)]."""
-        return self._replay(self.tree_graphs, self._propose_tree, hidden, num_requests, k)
-
     def draft(self, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
         """[num_requests, k] drafts from rows ``hidden_rows`` of ``hidden`` and ``last_tokens`` (a view of a
         static buffer on the GPU: copy it before the next call)."""
-        return self._replay(self.graphs, self._propose, hidden, num_requests, k)
-
-    def _replay(self, graphs: dict, propose, hidden: torch.Tensor, num_requests: int, k: int) -> torch.Tensor:
         torch.index_select(hidden, 0, self.hidden_rows[:num_requests], out=self.hidden[:num_requests])
         bucket = next((b for b in self.buckets if b >= num_requests), None)
-        entry = graphs.get((bucket, k)) if bucket is not None else None
+        entry = self.graphs.get((bucket, k)) if bucket is not None else None
         if entry is None:
-            return propose(num_requests, k)
+            return self._propose(num_requests, k)
         graph, drafts = entry
         graph.replay()
         return drafts[:num_requests]

@@ -38,10 +38,9 @@ from torch import nn
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.packed_forward import Segment, pack, run_packed, to_device
 from executor_svc.sampler import RequestSamplingState
-from plugins.attention_metadata import AttentionMetadata
-from executor_svc.speculative.draft_tree import compact_kv, tree_round_inputs, tree_verdict
 from executor_svc.speculative.heads_proposer import HeadsChain
 from executor_svc.speculative.ngram import ngram_drafts_on_device
+from executor_svc.speculative.tree_rounds import TreeRounds
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
 
 
@@ -120,6 +119,11 @@ class RoundsRunner:
     ) -> None:
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
         self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
+        # With a draft tree, greedy steps verify trees (``tree_rounds.py``).
+        self.trees = (
+            TreeRounds(model, kv_cache, graphs, tokens_per_block, chain)
+            if chain is not None and chain.tree is not None else None
+        )
 
     @torch.inference_mode()
     def warm_up(self, draft_lengths: Sequence[int]) -> None:
@@ -153,7 +157,7 @@ class RoundsRunner:
         """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; with heads, and
         ``next_drafts`` > 0, also that many drafts per request for the next step."""
         if self.uses_tree(requests, num_drafts):
-            return self._run_tree(requests, num_drafts, num_rounds, next_drafts)
+            return self.trees.run(requests, num_drafts, num_rounds, next_drafts)
         rows = len(requests) * (num_drafts + 1)
         max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * (num_drafts + 1)
         graphs = self.graphs
@@ -179,47 +183,6 @@ class RoundsRunner:
         if tree is not None and 1 <= num_drafts <= tree.depth:
             return 1 + tree.nodes_within(num_drafts)
         return 1 + num_drafts
-
-    def _run_tree(self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int) -> RoundsOutput:
-        """Rounds of tree drafts (``draft_tree.py``): the first round's tree holds the plan's chain on its
-        best-guess path (the other nodes are padding), each later round the tree the heads grew."""
-        chain, device = self.chain, self.kv_cache.device
-        t = chain.tree_tensors(k)
-        batch, rows_per_request = len(requests), 1 + t.num_nodes
-        max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * rows_per_request
-        graphs = self.graphs
-        use_graph = graphs is not None and graphs.fits(batch * rows_per_request, max_context)
-        width = graphs.bucket(batch * rows_per_request, max_context)[1] if use_graph else max(len(r.block_table) for r in requests)
-        history, lens, drafts, tables = self._initial(requests, k, num_rounds, width)
-        row_tables = tables.repeat_interleave(rows_per_request, dim=0)
-        best_path = t.paths[t.levels[-1][0]]  # breadth-first, the first node of the deepest level is all rank 0
-        nodes = history.gather(1, (lens - 1)[:, None]).expand(batch, t.num_nodes).clone()
-        nodes[:, best_path - 1] = drafts
-        offsets = torch.arange(k + 1, device=device)
-        out = RoundsOutput.empty(num_rounds, requests, k, device)
-        for rnd in range(num_rounds):
-            ids, positions, slots, context, masks = tree_round_inputs(history, lens, nodes, tables, t, self.tokens_per_block)
-            if use_graph:
-                logits, hidden = graphs.run_device(ids.flatten(), positions.flatten(), slots.flatten(), context.flatten(),
-                                                   row_tables, max_context, masks.flatten())
-            else:
-                logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks, row_tables)
-            target = logits.argmax(dim=-1).view(batch, rows_per_request)
-            tokens, accepted, best = tree_verdict(ids, target, t)
-            compact_kv(self.kv_cache, lens, best, accepted, tables, t, self.tokens_per_block)
-            out.tokens[rnd], out.accepted[rnd] = tokens, accepted
-            history.scatter_(1, lens[:, None] + offsets, tokens)
-            lens.add_(accepted + 1)
-            chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + best
-            chain.last_tokens[:batch] = tokens.gather(1, accepted[:, None]).squeeze(1)
-            if rnd + 1 < num_rounds:
-                nodes = chain.draft_tree(hidden, batch, k).clone()  # the chain's buffers are reused
-                out.drafted[rnd + 1] = k
-            elif next_k:
-                out.next_drafts = chain.draft(hidden, batch, next_k).clone()
-        if use_graph:
-            graphs.clear_tree_masks(batch * rows_per_request)
-        return out
 
     def _initial(
         self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, table_width: int,
@@ -308,28 +271,6 @@ class RoundsRunner:
         if next_k:
             out.next_drafts = self.chain.draft(hidden, num_requests, next_k).clone()
         return None
-
-
-def _tree_forward(
-    model: nn.Module, kv_cache: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-    context: torch.Tensor, masks: torch.Tensor, row_tables: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # logits [rows, vocab] float32, hidden [rows, hidden]
-    """One round of tree rows run eagerly (no graph fits, or no GPU); every row is a single-token query."""
-    rows = ids.numel()
-    index = torch.arange(rows, dtype=torch.int64, device=ids.device)
-    meta = AttentionMetadata(
-        query_start=list(range(rows + 1)),
-        context_lens=[1] * rows,  # the host copy is not read for single-token queries
-        block_tables=row_tables,
-        context_lens_t=context.flatten(),
-        slot_mapping=slots.flatten(),
-        single_query_rows=index,
-        single_query_tokens=index,
-        multi_query_rows=[],
-        tree_masks=masks.flatten(),
-    )
-    hidden = model(ids.flatten(), positions.flatten(), kv_cache, meta)
-    return model.compute_logits(hidden), hidden
 
 
 def _eager_round(

@@ -1,0 +1,271 @@
+"""Chained verification rounds of tree drafts, on the device.
+
+The tree counterpart of ``rounds.py``'s chains (see ``draft_tree.py`` for how
+one round of a tree runs through the decode attention). Each round:
+
+1. the decode graph replays the rows (the root and the tree's nodes of every
+   request), with each row's tree mask;
+2. everything after it runs as tensor operations: the target's argmax, the
+   verdict (``tree_verdict``), the move of the accepted path's keys and
+   values to chain slots (``compact_kv``), each request's new length and
+   last token, the heads growing the next tree from the hidden state of the
+   accepted node, and the next round's rows written into the decode graph's
+   inputs.
+
+On a GPU, step 2 is itself a CUDA graph, captured the first time a (request
+bucket, depth, table width) is used, so a round is two graph replays and two
+copies, whatever the tree's size: as eager launches, step 2 is over a hundred
+small kernels, and the host, not the GPU, would set the pace.
+
+A step's first round verifies the plan's drafts (the heads' chain from the
+last step) on the tree's best-guess path; its other nodes repeat the last
+token and are simply rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from executor_svc.cuda_graphs import DecodeGraphs
+from executor_svc.packed_forward import to_device
+from executor_svc.speculative.draft_tree import TreeTensors, compact_kv, tree_round_inputs, tree_verdict
+from plugins.attention_metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _TreeState:
+    """The device state of a step's requests (padded to a bucket on the graphed path)."""
+
+    lens: torch.Tensor  # [B] tokens held; the last is not in the cache yet
+    last: torch.Tensor  # [B] each request's last token (the next round's root)
+    tables: torch.Tensor  # [B, width] block tables
+    tokens: torch.Tensor  # [B, 1 + k] the latest round's emitted tokens (its accepted path, then the target's)
+    accepted: torch.Tensor  # [B] the latest round's accepted drafts
+
+
+@dataclass(slots=True)
+class _Captured:
+    state: _TreeState
+    draft: torch.cuda.CUDAGraph  # after a round: judge it and grow the next round's tree
+    last: torch.cuda.CUDAGraph  # after a step's last round: judge it only
+
+
+class TreeRounds:
+    """Runs steps of chained tree rounds for one engine (``RoundsRunner`` hands them over)."""
+
+    def __init__(
+        self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int, chain,
+    ) -> None:  # chain: heads_proposer.HeadsChain with a tree
+        self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
+        self.tokens_per_block, self.chain = tokens_per_block, chain
+        self.buckets = chain.buckets
+        self._captured: dict[tuple[int, int, int], _Captured] = {}
+        self._pool = None
+        self._last_hidden: torch.Tensor | None = None  # the last round's hidden rows, for the next step's chain
+
+    # -- one round's work after the forward ---------------------------------------------------
+
+    def _judge(self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Verdict of a round whose rows ``ids`` [B, 1 + n] gave ``logits``: moves the accepted KV, advances
+        ``s`` and points the heads at each accepted node. Returns the accepted nodes' rows [B]."""
+        batch, rows_per = ids.shape
+        target = logits[: batch * rows_per].argmax(dim=-1).view(batch, rows_per)
+        tokens, accepted, best = tree_verdict(ids, target, t)
+        compact_kv(self.kv_cache, s.lens, best, accepted, s.tables, t, self.tokens_per_block)
+        s.tokens.copy_(tokens)
+        s.accepted.copy_(accepted)
+        s.lens.add_(accepted + 1)
+        s.last.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
+        rows = torch.arange(batch, device=ids.device) * rows_per + best
+        self.chain.hidden_rows[:batch].copy_(rows)
+        self.chain.last_tokens[:batch].copy_(s.last)
+        return rows
+
+    def _grow(self, hidden: torch.Tensor, batch: int, t: TreeTensors) -> torch.Tensor:
+        """The next round's tree [batch, n] from the hidden rows ``_judge`` chose (no graph of its own)."""
+        chain = self.chain
+        torch.index_select(hidden, 0, chain.hidden_rows[:batch], out=chain.hidden[:batch])
+        return chain.heads.propose_tree(chain.hidden[:batch], chain.model, t, chain.last_tokens[:batch])
+
+    def _write_rows(self, s: _TreeState, t: TreeTensors, nodes: torch.Tensor) -> None:
+        """The round's rows into the decode graph's static inputs."""
+        g = self.graphs
+        ids, positions, slots, context, masks = tree_round_inputs(s.last, s.lens, nodes, s.tables, t, self.tokens_per_block)
+        n = ids.numel()
+        g.input_ids[:n].copy_(ids.flatten())
+        g.positions[:n].copy_(positions.flatten())
+        g.slot_mapping[:n].copy_(slots.flatten())
+        g.context_lens[:n].copy_(context.flatten())
+        g.tree_masks[:n].copy_(masks.flatten())
+
+    # -- steps --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, requests: Sequence, k: int, num_rounds: int, next_k: int):  # -> rounds.RoundsOutput
+        from executor_svc.speculative.rounds import RoundsOutput
+
+        t = self.chain.tree_tensors(k)
+        rows_per = 1 + t.num_nodes
+        device = self.kv_cache.device
+        batch = len(requests)
+        max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * rows_per
+        graphs = self.graphs
+        bucket = None
+        if graphs is not None and graphs.tree_masks is not None and graphs.fits(batch * rows_per, max_context):
+            # The smallest request bucket whose rows fit a decode graph; else exactly this many requests.
+            fitting = (b for b in self.buckets if b >= batch and graphs.fits(b * rows_per, max_context))
+            bucket = next(fitting, batch)
+        graphed = bucket is not None
+        out = RoundsOutput.empty(num_rounds, requests, k, device)
+        if graphed:
+            self._run_graphed(requests, t, num_rounds, bucket, graphs.bucket(bucket * rows_per, max_context), out)
+        else:
+            self._run_eager(requests, t, num_rounds, max_context, out)
+        if next_k:  # the chain the plan brings back for the next step's first round
+            hidden = self._last_hidden
+            out.next_drafts = self.chain.draft(hidden, batch, next_k).clone()
+        self._last_hidden = None
+        return out
+
+    def _first_nodes(self, requests: Sequence, t: TreeTensors, last: torch.Tensor, padded: int) -> torch.Tensor:
+        """The first round's tree: the plan's drafts on the best-guess path, the last token elsewhere."""
+        k = t.k
+        drafts = [r.drafts[:k] + [r.token_ids[-1]] * (k - len(r.drafts[:k])) for r in requests]
+        drafts += [[0] * k] * (padded - len(requests))
+        nodes = last[:, None].expand(padded, t.num_nodes).clone()
+        best_path = t.paths[t.levels[-1][:1]].squeeze(0)  # node per depth of (0, 0, ..., 0); no host read
+        nodes.index_copy_(1, best_path - 1, to_device(drafts, torch.int64, last.device))
+        return nodes
+
+    def _state(self, requests: Sequence, width: int, padded: int, k: int) -> _TreeState:
+        """The step's requests as device tensors, padded with requests that read and write only the scratch
+        block (when there is one)."""
+        device = self.kv_cache.device
+        scratch = self.graphs.scratch_block if self.graphs is not None else 0
+        extra = padded - len(requests)
+        tables = [(r.block_table + [scratch] * width)[:width] for r in requests] + [[scratch] * width] * extra
+        return _TreeState(
+            lens=to_device([len(r.token_ids) for r in requests] + [1] * extra, torch.int64, device),
+            last=to_device([r.token_ids[-1] for r in requests] + [0] * extra, torch.int64, device),
+            tables=to_device(tables, torch.int64, device),
+            tokens=torch.zeros((padded, k + 1), dtype=torch.int64, device=device),
+            accepted=torch.zeros(padded, dtype=torch.int64, device=device),
+        )
+
+    def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, max_context: int, out) -> None:
+        batch, rows_per = len(requests), 1 + t.num_nodes
+        width = max(len(r.block_table) for r in requests)
+        s = self._state(requests, width, batch, t.k)
+        row_tables = s.tables.repeat_interleave(rows_per, dim=0)
+        nodes = self._first_nodes(requests, t, s.last, batch)
+        for rnd in range(num_rounds):
+            ids, positions, slots, context, masks = tree_round_inputs(s.last, s.lens, nodes, s.tables, t,
+                                                                      self.tokens_per_block)
+            if self.graphs is not None and self.graphs.tree_masks is not None and self.graphs.fits(ids.numel(), max_context):
+                logits, hidden = self.graphs.run_device(ids.flatten(), positions.flatten(), slots.flatten(),
+                                                        context.flatten(), row_tables, max_context, masks.flatten())
+            else:
+                logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks,
+                                               row_tables)
+            self._judge(s, t, ids, logits)
+            out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
+            if rnd + 1 < num_rounds:
+                nodes = self._grow(hidden, batch, t)
+                out.drafted[rnd + 1] = t.k
+        if self.graphs is not None and self.graphs.tree_masks is not None:
+            self.graphs.clear_tree_masks(batch * rows_per)
+        self._last_hidden = hidden
+
+    def _run_graphed(
+        self, requests: Sequence, t: TreeTensors, num_rounds: int, bucket: int, forward: tuple[int, int], out,
+    ) -> None:
+        graphs, batch, rows_per = self.graphs, len(requests), 1 + t.num_nodes
+        rows_bucket, width = forward
+        captured = self._capture(bucket, t, rows_bucket, width)
+        s = captured.state
+        fresh = self._state(requests, width, bucket, t.k)
+        s.lens.copy_(fresh.lens)
+        s.last.copy_(fresh.last)
+        s.tables.copy_(fresh.tables)
+        graphs.bind_tables(rows_bucket, width, s.tables.repeat_interleave(rows_per, dim=0))
+        self._write_rows(s, t, self._first_nodes(requests, t, s.last, bucket))
+        for rnd in range(num_rounds):
+            graphs.replay(rows_bucket, width)
+            (captured.draft if rnd + 1 < num_rounds else captured.last).replay()
+            out.tokens[rnd].copy_(s.tokens[:batch])
+            out.accepted[rnd].copy_(s.accepted[:batch])
+            if rnd + 1 < num_rounds:
+                out.drafted[rnd + 1] = t.k
+        graphs.clear_tree_masks(rows_bucket)
+        self._last_hidden = graphs.graphs[(rows_bucket, width)].hidden
+
+    def _capture(self, bucket: int, t: TreeTensors, rows_bucket: int, width: int) -> _Captured:
+        """The graphs of the work after a round's forward for (bucket, depth, width), captured on first use
+        over padding state (every request on the scratch block), which the step then overwrites."""
+        key = (bucket, t.k, width)
+        if key in self._captured:
+            return self._captured[key]
+        graphs, device = self.graphs, self.kv_cache.device
+        scratch = graphs.scratch_block
+        state = _TreeState(
+            lens=torch.ones(bucket, dtype=torch.int64, device=device),
+            last=torch.zeros(bucket, dtype=torch.int64, device=device),
+            tables=torch.full((bucket, width), scratch, dtype=torch.int64, device=device),
+            tokens=torch.zeros((bucket, t.k + 1), dtype=torch.int64, device=device),
+            accepted=torch.zeros(bucket, dtype=torch.int64, device=device),
+        )
+        forward = graphs.graphs[(rows_bucket, width)]
+        rows = bucket * (1 + t.num_nodes)
+        ids = graphs.input_ids[:rows].view(bucket, 1 + t.num_nodes)
+
+        def after(draft: bool) -> None:
+            self._judge(state, t, ids, forward.logits)
+            if draft:
+                self._write_rows(state, t, self._grow(forward.hidden, bucket, t))
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        saved = (state.lens.clone(), state.last.clone())
+        made = []
+        with torch.cuda.stream(stream):
+            for draft in (True, False):
+                after(draft)  # warm-up on padding state: compiles kernels, touches only the scratch block
+                state.lens.copy_(saved[0])
+                state.last.copy_(saved[1])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    after(draft)
+                made.append(graph)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graphs.clear_tree_masks(rows)
+        self._captured[key] = _Captured(state, *made)
+        return self._captured[key]
+
+
+def _tree_forward(
+    model: nn.Module, kv_cache: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+    context: torch.Tensor, masks: torch.Tensor, row_tables: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # logits [rows, vocab] float32, hidden [rows, hidden]
+    """One round of tree rows run eagerly (no graph fits, or no GPU); every row is a single-token query."""
+    rows = ids.numel()
+    index = torch.arange(rows, dtype=torch.int64, device=ids.device)
+    meta = AttentionMetadata(
+        query_start=list(range(rows + 1)),
+        context_lens=[1] * rows,  # the host copy is not read for single-token queries
+        block_tables=row_tables,
+        context_lens_t=context.flatten(),
+        slot_mapping=slots.flatten(),
+        single_query_rows=index,
+        single_query_tokens=index,
+        multi_query_rows=[],
+        tree_masks=masks.flatten(),
+    )
+    hidden = model(ids.flatten(), positions.flatten(), kv_cache, meta)
+    return model.compute_logits(hidden), hidden
+
