@@ -189,6 +189,40 @@ def test_compact_kv_moves_the_accepted_path_where_a_chain_would_have_written_it(
             assert torch.equal(at(cache, b, seq), at(before, b, seq))
 
 
+def test_move_kv_kernel_matches_compact_kv():
+    pytest.importorskip("triton")
+    from executor_svc.speculative.tree_triton import move_kv
+
+    tree = DraftTree(DEFAULT_TREE)
+    gen = torch.Generator().manual_seed(3)
+    for k in (2, 4):
+        t = TreeTensors(tree, k, torch.device(TEST_DEVICE))
+        lens = torch.tensor([6, 3, 17, 40], device=TEST_DEVICE)
+        tables = torch.randperm(32, generator=gen).view(4, 8).to(TEST_DEVICE)
+        best = torch.tensor([tree.paths.index((0,) * k) + 1, 0, 6, t.num_nodes], device=TEST_DEVICE)
+        accepted = torch.tensor([tree.depths[int(b)] for b in best.tolist()], device=TEST_DEVICE)
+        cache = torch.randn(2, 2, 32, 8, 3, 4, generator=gen).to(TEST_DEVICE)  # kv_heads * D = 12: a padded row
+        expected = cache.clone()
+        compact_kv(expected, lens, best, accepted, tables, t, 8)
+        move_kv(cache, lens, best, accepted, tables, t.paths, 8)
+        assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_top_guesses_kernel_matches_topk(width):
+    pytest.importorskip("triton")
+    from executor_svc.speculative.tree_triton import top_guesses
+
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(5, 3000, generator=gen).to(TEST_DEVICE)  # chunks of 2048: the best may sit in either
+    logits[1, 2500] = 50.0
+    strided = torch.randn(5, 2, 3000, generator=gen).to(TEST_DEVICE)[:, 1]  # rows of a [N, heads, V] tensor
+    for x in (logits, strided):
+        assert torch.equal(top_guesses(x, width), x.topk(width, dim=-1).indices)
+    tied = torch.zeros(2, 100, device=TEST_DEVICE)
+    assert top_guesses(tied, width).tolist() == [list(range(width))] * 2  # ties go to the lowest id
+
+
 # -- heads grow trees ----------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from executor_svc.speculative.draft_tree import TreeTensors
+from executor_svc.speculative.draft_tree import TreeTensors, top_ids
 
 HEADS_NAME = "draft_heads.safetensors"
 HEADS_META_NAME = "draft_heads.json"
@@ -91,8 +91,7 @@ class DraftHeads(nn.Module):
         if not 1 <= tree.k <= self.num_heads:
             raise ValueError(f"a tree of depth {tree.k} needs at most {self.num_heads} heads")
         logits = self._logits(hidden, model, tree.k)  # [N, k, V]
-        levels = [logits[:, d].topk(level.width, dim=-1).indices.index_select(1, level.ranks)
-                  for d, level in enumerate(tree.grow)]
+        levels = [top_ids(logits[:, d], level.width).index_select(1, level.ranks) for d, level in enumerate(tree.grow)]
         return torch.cat(levels, dim=1)
 
     def _logits(self, hidden: torch.Tensor, model: nn.Module, k: int) -> torch.Tensor:
@@ -184,7 +183,7 @@ class RecurrentDraftHead(nn.Module):
         levels = []
         for d, level in enumerate(tree.grow):
             logits = model.compute_logits(states.reshape(-1, dim).to(hidden.dtype)).view(n, states.shape[1], -1)
-            guesses = logits.topk(level.width, dim=-1).indices  # [N, expanding, width]
+            guesses = top_ids(logits, level.width)  # [N, expanding, width]
             tokens = guesses[:, level.parent_pos, level.ranks]  # [N, level's nodes]
             levels.append(tokens)
             if d + 1 < len(tree.grow):  # the next level's expanding nodes step their parent's state

@@ -216,6 +216,32 @@ def tree_verdict(
     return tokens, accepted, best
 
 
+def top_ids(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Ids of the ``width`` largest logits along the last dimension, best first: [..., V] -> [..., width].
+    On a GPU one Triton kernel (``tree_triton.top_guesses``), where ``torch.topk`` over a vocabulary is slow."""
+    if width == 1:
+        return logits.argmax(dim=-1, keepdim=True)
+    if not logits.is_cuda:
+        return logits.topk(width, dim=-1).indices
+    from executor_svc.speculative.tree_triton import top_guesses
+
+    flat = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
+    return top_guesses(flat, width).view(*logits.shape[:-1], width)
+
+
+def move_accepted_kv(
+    kv_cache: torch.Tensor, lens: torch.Tensor, best: torch.Tensor, accepted: torch.Tensor, tables: torch.Tensor,
+    t: TreeTensors, tokens_per_block: int,
+) -> None:
+    """``compact_kv``; on a GPU as one Triton kernel (``tree_triton.move_kv``)."""
+    if not kv_cache.is_cuda:
+        compact_kv(kv_cache, lens, best, accepted, tables, t, tokens_per_block)
+        return
+    from executor_svc.speculative.tree_triton import move_kv
+
+    move_kv(kv_cache, lens, best, accepted, tables, t.paths, tokens_per_block)
+
+
 def compact_kv(
     kv_cache: torch.Tensor,  # [layers, 2, blocks, tokens_per_block, kv_heads, D]
     lens: torch.Tensor,  # [B] tokens held before the round

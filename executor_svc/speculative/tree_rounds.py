@@ -32,7 +32,7 @@ from torch import nn
 
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.packed_forward import to_device
-from executor_svc.speculative.draft_tree import TreeTensors, compact_kv, tree_round_inputs, tree_verdict
+from executor_svc.speculative.draft_tree import TreeTensors, move_accepted_kv, tree_round_inputs, tree_verdict
 from plugins.attention_metadata import AttentionMetadata
 
 
@@ -75,7 +75,7 @@ class TreeRounds:
         batch, rows_per = ids.shape
         target = logits[: batch * rows_per].argmax(dim=-1).view(batch, rows_per)
         tokens, accepted, best = tree_verdict(ids, target, t)
-        compact_kv(self.kv_cache, s.lens, best, accepted, s.tables, t, self.tokens_per_block)
+        move_accepted_kv(self.kv_cache, s.lens, best, accepted, s.tables, t, self.tokens_per_block)
         s.tokens.copy_(tokens)
         s.accepted.copy_(accepted)
         s.lens.add_(accepted + 1)
