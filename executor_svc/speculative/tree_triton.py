@@ -11,8 +11,8 @@ whole cache's view) took 191 us, and ``torch.topk`` of three guesses over a
   every accepted depth before it writes any, which matters when one depth's
   source is another's destination (on the default tree's best path, nodes 1,
   4, 8, 12, depth 2 reads node 4's slot, L + 3, which depth 4 writes).
-* ``top_guesses`` is one program per row: W passes over the logits, each
-  taking the largest value not yet taken (ties to the lowest id).
+* ``top_guesses`` ranks every chunk of the vocabulary in parallel (W passes
+  of a max, ties to the lowest id), then merges the chunks' winners per row.
 
 Both are checked against the torch references (``draft_tree.compact_kv`` and
 ``torch.topk``) on the CPU through Triton's interpreter.
@@ -74,38 +74,73 @@ def move_kv(
 
 
 @triton.jit
-def _top_guesses_kernel(
-    logits_ptr, out_ptr, vocab, stride_logits, WIDTH: tl.constexpr, W_PAD: tl.constexpr, BLOCK: tl.constexpr,
+def _chunk_top_kernel(
+    logits_ptr, values_ptr, ids_ptr, vocab, stride_logits, num_chunks,
+    WIDTH: tl.constexpr, W_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """Stage 1: the WIDTH best of one chunk of one row (ties to the lowest id)."""
     r = tl.program_id(0).to(tl.int64)
-    row = logits_ptr + r * stride_logits
-    taken = tl.full([W_PAD], -1, tl.int32)
+    c = tl.program_id(1)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + r * stride_logits + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
     slot = tl.arange(0, W_PAD)
+    values = tl.full([W_PAD], float("-inf"), tl.float32)
+    ids = tl.full([W_PAD], -1, tl.int32)
     for p in tl.static_range(WIDTH):
-        best_value = tl.full([], float("-inf"), tl.float32)
-        best_index = tl.full([], 0, tl.int32) + vocab  # past the end: beaten by any real id
-        for start in range(0, vocab, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(row + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-            for q in tl.static_range(p):  # leave out the guesses already taken
-                x = tl.where(offs == tl.sum(tl.where(slot == q, taken, 0)), float("-inf"), x)
-            m = tl.max(x, 0)
-            i = tl.min(tl.where(x == m, offs, vocab), 0)  # the lowest id of the chunk's maximum
-            better = (m > best_value) | ((m == best_value) & (i < best_index))
-            best_index = tl.where(better, i, best_index)
-            best_value = tl.where(better, m, best_value)
-        taken = tl.where(slot == p, best_index, taken)
-    tl.store(out_ptr + r * W_PAD + slot, taken.to(tl.int64))
+        m = tl.max(x, 0)
+        i = tl.min(tl.where(x == m, offs, vocab), 0)
+        values = tl.where(slot == p, m, values)
+        ids = tl.where(slot == p, i, ids)
+        x = tl.where(offs == i, float("-inf"), x)
+    out = (r * num_chunks + c) * W_PAD + slot
+    tl.store(values_ptr + out, values)
+    tl.store(ids_ptr + out, ids)
+
+
+@triton.jit
+def _merge_top_kernel(
+    values_ptr, ids_ptr, out_ptr, vocab, num_candidates,
+    WIDTH: tl.constexpr, W_PAD: tl.constexpr, CANDIDATES: tl.constexpr,
+):
+    """Stage 2: the WIDTH best of a row's chunk winners, best first."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CANDIDATES)
+    live = offs < num_candidates
+    v = tl.load(values_ptr + r * num_candidates + offs, mask=live, other=float("-inf"))
+    ids = tl.load(ids_ptr + r * num_candidates + offs, mask=live, other=-1)
+    v = tl.where(ids >= 0, v, float("-inf"))
+    slot = tl.arange(0, W_PAD)
+    taken = tl.full([W_PAD], -1, tl.int64)
+    for p in tl.static_range(WIDTH):
+        m = tl.max(v, 0)
+        i = tl.min(tl.where((v == m) & (ids >= 0), ids, vocab), 0)
+        taken = tl.where(slot == p, i.to(tl.int64), taken)
+        v = tl.where(ids == i, float("-inf"), v)
+    tl.store(out_ptr + r * W_PAD + slot, taken)
+
+
+CHUNK = 2048  # vocabulary entries one stage-1 program ranks
 
 
 def top_guesses(logits: torch.Tensor, width: int) -> torch.Tensor:
     """The ``width`` largest logits' ids per row, best first: logits [N, V] (rows may be strided, ids
-    contiguous) -> [N, width] int64; ``torch.topk(...).indices`` up to ties, which go to the lowest id."""
+    contiguous) -> [N, width] int64; ``torch.topk(...).indices`` up to ties, which go to the lowest id.
+    Two launches: every chunk of every row ranks its own best in parallel, then one program per row
+    merges them."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    rows, vocab = logits.shape
     w_pad = triton.next_power_of_2(width)
-    out = torch.empty((logits.shape[0], w_pad), dtype=torch.int64, device=logits.device)
-    _top_guesses_kernel[(logits.shape[0],)](
-        logits, out, logits.shape[1], logits.stride(0), WIDTH=width, W_PAD=w_pad, BLOCK=2048,
+    num_chunks = triton.cdiv(vocab, CHUNK)
+    values = torch.empty((rows, num_chunks, w_pad), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((rows, num_chunks, w_pad), dtype=torch.int32, device=logits.device)
+    _chunk_top_kernel[(rows, num_chunks)](
+        logits, values, ids, vocab, logits.stride(0), num_chunks, WIDTH=width, W_PAD=w_pad, CHUNK=CHUNK,
+    )
+    out = torch.empty((rows, w_pad), dtype=torch.int64, device=logits.device)
+    candidates = num_chunks * w_pad
+    _merge_top_kernel[(rows,)](
+        values, ids, out, vocab, candidates,
+        WIDTH=width, W_PAD=w_pad, CANDIDATES=triton.next_power_of_2(candidates),
     )
     return out[:, :width]
