@@ -135,6 +135,8 @@ class RoundsRunner:
         device = self.kv_cache.device
         if self.chain is not None:
             self.chain.capture(draft_lengths)
+        if self.trees is not None:
+            self.trees.warm_up(draft_lengths)
         for k in draft_lengths:
             history = torch.zeros((1, 2 * k + 4), dtype=torch.int64, device=device)
             lens = torch.ones(1, dtype=torch.int64, device=device)
