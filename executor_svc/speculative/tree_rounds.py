@@ -12,12 +12,12 @@ one round of a tree runs through the decode attention). Each round:
    accepted node, and the next round's rows written into the decode graph's
    inputs.
 
-On a GPU, step 2 is two CUDA graphs of its own (the verdict and the tree's
-growth), captured the first time a (request bucket, depth) is used, with an
-argmax and a gather of hidden rows between them that read the forward graph's
-outputs, so one pair serves every table width. A round is then five launches
-and two copies, whatever the tree's size: as eager launches, step 2 is over a
-hundred small kernels, and the host, not the GPU, would set the pace.
+On a GPU, step 2 is itself a CUDA graph, captured the first time a (request
+bucket, depth, table width) is used, so a round is two graph replays and two
+copies, whatever the tree's size: as eager launches, step 2 is over a hundred
+small kernels, and the host, not the GPU, would set the pace. Its Triton
+kernels compile at engine load (``warm_up``); a capture on first use costs
+about 0.1 s on the H200 (two graphs, each run once before it is captured).
 
 A step's first round verifies the plan's drafts (the heads' chain from the
 last step) on the tree's best-guess path; its other nodes repeat the last
@@ -51,12 +51,9 @@ class _TreeState:
 
 @dataclass(slots=True)
 class _Captured:
-    """The graphed work of one (request bucket, depth): its state, tables as wide as the longest sequence."""
-
     state: _TreeState
-    target: torch.Tensor  # [bucket * (1 + n)] the target's argmax of each row, written before ``judge``
-    judge: torch.cuda.CUDAGraph  # verdict, KV move, new lengths and last tokens, the heads' rows
-    grow: torch.cuda.CUDAGraph  # the next round's tree from the gathered hidden states, into the graph inputs
+    draft: torch.cuda.CUDAGraph  # after a round: judge it and grow the next round's tree
+    last: torch.cuda.CUDAGraph  # after a step's last round: judge it only
 
 
 class TreeRounds:
@@ -68,32 +65,32 @@ class TreeRounds:
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
         self.tokens_per_block, self.chain = tokens_per_block, chain
         self.buckets = chain.buckets
-        self._captured: dict[tuple[int, int], _Captured] = {}
+        self._captured: dict[tuple[int, int, int], _Captured] = {}
         self._pool = None
         self._last_hidden: torch.Tensor | None = None  # the last round's hidden rows, for the next step's chain
 
     # -- one round's work after the forward ---------------------------------------------------
 
-    def _judge(self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, target: torch.Tensor) -> None:
-        """Verdict of a round whose rows ``ids`` [B, 1 + n] the target answered with ``target`` (its argmax per
-        row, same shape): moves the accepted KV, advances ``s`` and points the heads at each accepted node."""
+    def _judge(self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Verdict of a round whose rows ``ids`` [B, 1 + n] gave ``logits``: moves the accepted KV, advances
+        ``s`` and points the heads at each accepted node. Returns the accepted nodes' rows [B]."""
         batch, rows_per = ids.shape
+        target = logits[: batch * rows_per].argmax(dim=-1).view(batch, rows_per)
         tokens, accepted, best = tree_verdict(ids, target, t)
         move_accepted_kv(self.kv_cache, s.lens, best, accepted, s.tables, t, self.tokens_per_block)
         s.tokens.copy_(tokens)
         s.accepted.copy_(accepted)
         s.lens.add_(accepted + 1)
         s.last.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
-        self.chain.hidden_rows[:batch].copy_(torch.arange(batch, device=ids.device) * rows_per + best)
+        rows = torch.arange(batch, device=ids.device) * rows_per + best
+        self.chain.hidden_rows[:batch].copy_(rows)
         self.chain.last_tokens[:batch].copy_(s.last)
+        return rows
 
-    def _gather_hidden(self, hidden: torch.Tensor, batch: int) -> None:
-        """The hidden states of the rows ``_judge`` chose, into the heads' static input."""
-        torch.index_select(hidden, 0, self.chain.hidden_rows[:batch], out=self.chain.hidden[:batch])
-
-    def _grow(self, batch: int, t: TreeTensors) -> torch.Tensor:
-        """The next round's tree [batch, n] from the gathered hidden states and the last tokens."""
+    def _grow(self, hidden: torch.Tensor, batch: int, t: TreeTensors) -> torch.Tensor:
+        """The next round's tree [batch, n] from the hidden rows ``_judge`` chose (no graph of its own)."""
         chain = self.chain
+        torch.index_select(hidden, 0, chain.hidden_rows[:batch], out=chain.hidden[:batch])
         return chain.heads.propose_tree(chain.hidden[:batch], chain.model, t, chain.last_tokens[:batch])
 
     def _write_rows(self, s: _TreeState, t: TreeTensors, nodes: torch.Tensor) -> None:
@@ -122,13 +119,11 @@ class TreeRounds:
             rows = 1 + t.num_nodes
             if not graphs.fits(rows, 1):
                 continue
-            state = self._state([], graphs.widths[-1], 1, k)
+            state = self._state([], width, 1, k)
             forward = graphs.graphs[graphs.bucket(rows, 1)]
             self._write_rows(state, t, state.last[:, None].expand(1, t.num_nodes))
-            target = forward.logits[:rows].argmax(dim=-1).view(1, rows)
-            self._judge(state, t, graphs.input_ids[:rows].view(1, rows), target)
-            self._gather_hidden(forward.hidden, 1)
-            self._grow(1, t)
+            self._judge(state, t, graphs.input_ids[:rows].view(1, rows), forward.logits)
+            self._grow(forward.hidden, 1, t)
             graphs.clear_tree_masks(rows)
 
     # -- steps --------------------------------------------------------------------------------
@@ -200,11 +195,10 @@ class TreeRounds:
             else:
                 logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks,
                                                row_tables)
-            self._judge(s, t, ids, logits.argmax(dim=-1).view(batch, rows_per))
+            self._judge(s, t, ids, logits)
             out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
             if rnd + 1 < num_rounds:
-                self._gather_hidden(hidden, batch)
-                nodes = self._grow(batch, t)
+                nodes = self._grow(hidden, batch, t)
                 out.drafted[rnd + 1] = t.k
         if self.graphs is not None and self.graphs.tree_masks is not None:
             self.graphs.clear_tree_masks(batch * rows_per)
@@ -215,67 +209,66 @@ class TreeRounds:
     ) -> None:
         graphs, batch, rows_per = self.graphs, len(requests), 1 + t.num_nodes
         rows_bucket, width = forward
-        rows = bucket * rows_per
-        captured = self._capture(bucket, t)
+        captured = self._capture(bucket, t, rows_bucket, width)
         s = captured.state
-        fresh = self._state(requests, s.tables.shape[1], bucket, t.k)
+        fresh = self._state(requests, width, bucket, t.k)
         s.lens.copy_(fresh.lens)
         s.last.copy_(fresh.last)
         s.tables.copy_(fresh.tables)
         graphs.bind_tables(rows_bucket, width, s.tables.repeat_interleave(rows_per, dim=0))
         self._write_rows(s, t, self._first_nodes(requests, t, s.last, bucket))
-        entry = graphs.graphs[(rows_bucket, width)]
         for rnd in range(num_rounds):
             graphs.replay(rows_bucket, width)
-            torch.argmax(entry.logits[:rows], dim=-1, out=captured.target)
-            captured.judge.replay()
-            if rnd + 1 < num_rounds:
-                self._gather_hidden(entry.hidden, bucket)
-                captured.grow.replay()
-                out.drafted[rnd + 1] = t.k
+            (captured.draft if rnd + 1 < num_rounds else captured.last).replay()
             out.tokens[rnd].copy_(s.tokens[:batch])
             out.accepted[rnd].copy_(s.accepted[:batch])
+            if rnd + 1 < num_rounds:
+                out.drafted[rnd + 1] = t.k
         graphs.clear_tree_masks(rows_bucket)
-        self._last_hidden = entry.hidden
+        self._last_hidden = graphs.graphs[(rows_bucket, width)].hidden
 
-    def _capture(self, bucket: int, t: TreeTensors) -> _Captured:
-        """The graphs of a round's work after the forward for (bucket, depth), captured on first use over
-        padding state (every request on the scratch block), which the step then overwrites. They read the
-        decode graphs' static inputs and the argmax written before them, never a forward graph's outputs,
-        so one pair serves every table width."""
-        key = (bucket, t.k)
+    def _capture(self, bucket: int, t: TreeTensors, rows_bucket: int, width: int) -> _Captured:
+        """The graphs of the work after a round's forward for (bucket, depth, width), captured on first use
+        over padding state (every request on the scratch block), which the step then overwrites."""
+        key = (bucket, t.k, width)
         if key in self._captured:
             return self._captured[key]
         graphs, device = self.graphs, self.kv_cache.device
-        rows_per = 1 + t.num_nodes
-        state = self._state([], graphs.widths[-1], bucket, t.k)
-        target = torch.zeros(bucket * rows_per, dtype=torch.int64, device=device)
-        ids = graphs.input_ids[: bucket * rows_per].view(bucket, rows_per)
+        scratch = graphs.scratch_block
+        state = _TreeState(
+            lens=torch.ones(bucket, dtype=torch.int64, device=device),
+            last=torch.zeros(bucket, dtype=torch.int64, device=device),
+            tables=torch.full((bucket, width), scratch, dtype=torch.int64, device=device),
+            tokens=torch.zeros((bucket, t.k + 1), dtype=torch.int64, device=device),
+            accepted=torch.zeros(bucket, dtype=torch.int64, device=device),
+        )
+        forward = graphs.graphs[(rows_bucket, width)]
+        rows = bucket * (1 + t.num_nodes)
+        ids = graphs.input_ids[:rows].view(bucket, 1 + t.num_nodes)
 
-        def judge() -> None:
-            self._judge(state, t, ids, target.view(bucket, rows_per))
-
-        def grow() -> None:
-            self._write_rows(state, t, self._grow(bucket, t))
+        def after(draft: bool) -> None:
+            self._judge(state, t, ids, forward.logits)
+            if draft:
+                self._write_rows(state, t, self._grow(forward.hidden, bucket, t))
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        saved = (state.lens.clone(), state.last.clone())
         made = []
         with torch.cuda.stream(stream):
-            for work in (judge, grow):
-                saved = (state.lens.clone(), state.last.clone())
-                work()  # warm-up on padding state: touches only the scratch block
+            for draft in (True, False):
+                after(draft)  # warm-up on padding state: compiles kernels, touches only the scratch block
                 state.lens.copy_(saved[0])
                 state.last.copy_(saved[1])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    work()
+                    after(draft)
                 made.append(graph)
         torch.cuda.current_stream(device).wait_stream(stream)
-        graphs.clear_tree_masks(bucket * rows_per)
-        self._captured[key] = _Captured(state, target, *made)
+        graphs.clear_tree_masks(rows)
+        self._captured[key] = _Captured(state, *made)
         return self._captured[key]
 
 
