@@ -365,7 +365,8 @@ class ModelRunner:
             )
         if state.sampling.needs_output_history:
             return "drafts cannot be verified for a request with penalties or min_tokens"
-        end = state.num_computed_tokens + count
+        # Every round but the last moves on by at most 1 + k tokens; the last writes all its rows.
+        end = state.num_computed_tokens + (rounds - 1) * (1 + k) + count // rounds
         if end > len(state.block_table) * self.tokens_per_block or end > self.engine.max_seq_len:
             return (
                 f"{rounds} rounds of {count // rounds} tokens need {end} KV slots: the blocks hold "

@@ -58,7 +58,8 @@ class CachedRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     num_drafts_to_propose: int = 0  # for the next step
     # Verification rounds: with R > 1 the executor drafts rounds 2..R itself, on the device, and
-    # num_scheduled_tokens = R * (1 + k), k the step's draft length (draft_token_ids padded to it).
+    # num_scheduled_tokens = R * (1 + k), k the step's draft length (draft_token_ids padded to it);
+    # with tree drafts R * draft_tree_rows[k - 1], of which (R - 1) * (1 + k) + one round need KV slots.
     num_rounds: int = 1
 
 

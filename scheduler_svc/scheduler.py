@@ -210,7 +210,9 @@ class Scheduler:
                 asked = asked or propose > 0
             else:
                 propose = lookahead = 0
-            need = computed + count + lookahead
+            # Chained tree rounds compute more tokens than they can leave in the cache.
+            span = self.config.rounds_kv_span(draft_length, rounds) if rounds > 1 else count
+            need = computed + span + lookahead
             new_blocks = allocate_slots(request_id, need)
             while new_blocks is None:  # no free block: MAX_UTILIZATION preempts (the other policy reserved them)
                 assert not self.guaranteed, "a GUARANTEED_NO_EVICT request ran out of reserved blocks"
@@ -314,8 +316,9 @@ class Scheduler:
         if policy.trial:
             rounds = min(rounds, TRIAL_ROUNDS)
         for request in order:
+            # What the rounds may write must fit what the request may still hold (``rounds_kv_span``).
             room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
-            rounds = min(rounds, room // rows)
+            rounds = min(rounds, (room - rows) // (1 + draft_length) + 1 if room >= rows else 0)
         return max(1, rounds)
 
     def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:

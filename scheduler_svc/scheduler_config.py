@@ -49,6 +49,11 @@ class SchedulerConfig:
             return self.draft_tree_rows[draft_length - 1]
         return 1 + draft_length
 
+    def rounds_kv_span(self, draft_length: int, rounds: int) -> int:
+        """KV slots past a request's computed tokens that ``rounds`` chained rounds may write: each round but
+        the last moves on by at most 1 + k tokens, and the last writes its whole round (a tree's every node)."""
+        return (rounds - 1) * (1 + draft_length) + self.round_rows(draft_length)
+
     def draft_length_of(self, rows: int) -> int:
         """The draft length whose round has ``rows`` tokens per request (``round_rows`` inverted)."""
         if rows in self.draft_tree_rows:

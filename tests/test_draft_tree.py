@@ -255,20 +255,20 @@ def test_the_heads_best_guess_path_through_a_tree_is_their_chain(engine, kind):
 
 def test_scheduler_counts_a_tree_rounds_rows_and_judges_its_depth():
     from protos.plan import RequestOutput, StepResult
-    from tests.test_scheduler import make_request, make_scheduler
+    from tests.test_scheduler import make_scheduler
+    from tests.test_speculative import plan_after_first_step
 
-    rows = (4, 8, 12, 15)  # the default tree: 1 + its nodes of depth <= k
-    s = make_scheduler(max_draft_tokens=4, max_speculative_rounds=3, adaptive_draft_length=False,
-                       max_batch_size=32, max_num_tokens=256, draft_tree_rows=rows)
-    for rid in "ab":
-        s.add_request(make_request(rid, 6, max_tokens=100))
-    plan = s.schedule()
-    s.update(StepResult(plan.step_id, [RequestOutput(rid, [100], [101, 102, 103, 104]) for rid in "ab"]))
-    plan = s.schedule()
-    # Two requests in a batch of 32: 16 rows each, so the whole tree (15); 3 rounds of 15 tokens.
+    def scheduler():
+        return make_scheduler(max_draft_tokens=4, max_speculative_rounds=3, adaptive_draft_length=False,
+                              max_batch_size=32, max_num_tokens=256, draft_tree_rows=(4, 8, 12, 15))
+
+    s = scheduler()  # the default tree: rounds of 1 + its nodes of depth <= k
+    plan = plan_after_first_step(s, "ab", [101, 102, 103, 104], max_tokens=100)
+    # Two requests in a batch of 32: 16 rows each, so the whole tree (15); 3 rounds of 15 tokens, of
+    # which the KV cache needs 2 * 5 + 15 slots: a round moves on by at most 5.
     assert [(c.num_rounds, c.num_scheduled_tokens, c.draft_token_ids) for c in plan.cached_requests] == [
         (3, 45, [101, 102, 103, 104])] * 2
-    assert len(s.kv.block_table("a")) * s.config.tokens_per_block >= 7 + 45
+    assert len(s.kv.block_table("a")) * s.config.tokens_per_block == 32 >= 7 + 2 * 5 + 15
     # The rounds accepted 4, 1 and 0 drafts: 5 + 2 + 1 = 8 tokens, every round judged at depth 4.
     outputs = [RequestOutput(rid, list(range(200, 208)), [], 5, round_accepted=[4, 1, 0], round_drafted=[4, 4, 4])
                for rid in "ab"]
@@ -277,15 +277,12 @@ def test_scheduler_counts_a_tree_rounds_rows_and_judges_its_depth():
     assert req.num_computed_tokens == 6 + 8 and (req.num_draft_tokens, req.num_accepted_draft_tokens) == (12, 5)
     assert s.drafts.by_position == [6, 6, 6, 6] and s.drafts.accepted_by_position == [4, 2, 2, 2]
     # Five requests: 6 rows each, so trees of depth 1 (4 rows), rounds of 4 tokens.
-    s = make_scheduler(max_draft_tokens=4, max_speculative_rounds=3, adaptive_draft_length=False,
-                       max_batch_size=32, max_num_tokens=256, draft_tree_rows=rows)
-    for rid in "abcde":
-        s.add_request(make_request(rid, 6, max_tokens=100))
-    plan = s.schedule()
-    s.update(StepResult(plan.step_id, [RequestOutput(rid, [100], [101, 102]) for rid in "abcde"]))
-    plan = s.schedule()
+    plan = plan_after_first_step(scheduler(), "abcde", [101, 102], max_tokens=100)
     assert {(c.num_rounds, c.num_scheduled_tokens, tuple(c.draft_token_ids)) for c in plan.cached_requests} == {
         (3, 12, (101,))}
+    # 25 tokens left to hold: 3 rounds of the whole tree fit (2 * 5 + 15 = 25), though they compute 45.
+    plan = plan_after_first_step(scheduler(), "a", [101, 102, 103, 104], max_tokens=26)
+    assert (plan.cached_requests[0].num_rounds, plan.cached_requests[0].num_scheduled_tokens) == (3, 45)
 
 
 # -- end to end ----------------------------------------------------------------------------
@@ -328,9 +325,9 @@ def test_tree_drafts_give_the_same_greedy_tokens(engine, tokenizer, tree_heads_d
     spec = dataclasses.replace(_with_tree_graphs(engine), engine_dir=tree_heads_dir, speculative=speculative)
     outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
     assert outputs == plain
-    # Six requests in a batch of 64: rounds of 1 + 7 rows (depth 2) fit, 1 + 11 (depth 3) do not; two
-    # rounds of 8 slots each fit 20 output tokens.
-    assert trees and max(k for _, k, _ in trees) == 2 and max(r for _, _, r in trees) == 2
+    # Six requests in a batch of 64: rounds of 1 + 7 rows (depth 2) fit, 1 + 11 (depth 3) do not; three
+    # rounds fit 20 output tokens (they hold at most 2 * 3 + 8 of the 24 tokens they compute).
+    assert trees and max(k for _, k, _ in trees) == 2 and max(r for _, _, r in trees) == 3
     assert stats.drafts.num_accepted == sum(u.num_accepted_draft_tokens for u in usages) > 0
     assert len(stats.drafts.by_position) == 4  # no deeper than the tree
     # One request: the whole tree, in rounds of 15 rows.

@@ -265,23 +265,25 @@ def test_scheduler_chains_rounds_when_every_request_verifies_and_none_waits():
     assert plan.cached_requests[0].num_rounds == 1 and plan.cached_requests[0].num_scheduled_tokens == 2
 
 
+def plan_after_first_step(s, request_ids: str, drafts: list[int], max_tokens: int = 40):
+    """Admit ``request_ids`` (6-token prompts) to ``s``, answer their first step with one token and
+    ``drafts`` each, and return the next plan."""
+    for rid in request_ids:
+        s.add_request(make_request(rid, 6, max_tokens=max_tokens))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput(rid, [100], list(drafts)) for rid in request_ids]))
+    return s.schedule()
+
+
 def test_a_batch_too_large_for_the_longest_chains_chains_shorter_ones():
     # Three requests with 4 drafts each would be 15 rows a round, past a batch of 8: chains of 1 fit (6 rows).
     s = make_scheduler(max_draft_tokens=4, max_speculative_rounds=3, adaptive_draft_length=False, max_batch_size=8)
-    for rid in "abc":
-        s.add_request(make_request(rid, 6, max_tokens=40))
-    plan = s.schedule()
-    s.update(StepResult(plan.step_id, [RequestOutput(rid, [100], [101, 102, 103, 104]) for rid in "abc"]))
-    plan = s.schedule()
+    plan = plan_after_first_step(s, "abc", [101, 102, 103, 104])
     assert [(c.num_rounds, c.num_scheduled_tokens, c.draft_token_ids) for c in plan.cached_requests] == [
         (3, 6, [101])] * 3
     # Five requests leave no room for even one draft a row: single verification steps of the host's drafts.
     s = make_scheduler(max_draft_tokens=4, max_speculative_rounds=3, adaptive_draft_length=False, max_batch_size=8)
-    for rid in "abcde":
-        s.add_request(make_request(rid, 6, max_tokens=40))
-    plan = s.schedule()
-    s.update(StepResult(plan.step_id, [RequestOutput(rid, [100], [101, 102]) for rid in "abcde"]))
-    plan = s.schedule()
+    plan = plan_after_first_step(s, "abcde", [101, 102])
     assert {(c.num_rounds, c.num_scheduled_tokens) for c in plan.cached_requests} == {(1, 3)}
 
 

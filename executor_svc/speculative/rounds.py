@@ -49,7 +49,8 @@ class RoundsRequest:
     """One request's part in a step of chained rounds."""
 
     token_ids: list[int]  # every token it holds; the last one is not in the KV cache yet
-    block_table: list[int]  # covers len(token_ids) - 1 + rounds * (1 + num_drafts) positions
+    # Covers len(token_ids) - 1 + (rounds - 1) * (1 + num_drafts) + one round's rows positions.
+    block_table: list[int]
     drafts: list[int]  # the first round's drafts (at most num_drafts)
     sampling: RequestSamplingState
 
