@@ -47,6 +47,7 @@ class _TreeState:
     tables: torch.Tensor  # [B, width] block tables
     tokens: torch.Tensor  # [B, 1 + k] the latest round's emitted tokens (its accepted path, then the target's)
     accepted: torch.Tensor  # [B] the latest round's accepted drafts
+    live: torch.Tensor  # [B] 1 for a real request, 0 for padding (which stays at length 1, in its first block)
 
 
 @dataclass(slots=True)
@@ -80,7 +81,7 @@ class TreeRounds:
         move_accepted_kv(self.kv_cache, s.lens, best, accepted, s.tables, t, self.tokens_per_block)
         s.tokens.copy_(tokens)
         s.accepted.copy_(accepted)
-        s.lens.add_(accepted + 1)
+        s.lens.add_((accepted + 1) * s.live)
         s.last.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
         rows = torch.arange(batch, device=ids.device) * rows_per + best
         self.chain.hidden_rows[:batch].copy_(rows)
@@ -136,7 +137,8 @@ class TreeRounds:
         rows_per = 1 + t.num_nodes
         device = self.kv_cache.device
         batch = len(requests)
-        max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * rows_per
+        # The furthest slot the rounds write: each round but the last moves on by at most 1 + k.
+        max_context = max(len(r.token_ids) for r in requests) - 1 + (num_rounds - 1) * (k + 1) + rows_per
         graphs = self.graphs
         bucket = None
         if graphs is not None and graphs.tree_masks is not None and graphs.fits(batch * rows_per, max_context):
@@ -178,6 +180,7 @@ class TreeRounds:
             tables=to_device(tables, torch.int64, device),
             tokens=torch.zeros((padded, k + 1), dtype=torch.int64, device=device),
             accepted=torch.zeros(padded, dtype=torch.int64, device=device),
+            live=to_device([1] * len(requests) + [0] * extra, torch.int64, device),
         )
 
     def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, max_context: int, out) -> None:
@@ -215,6 +218,7 @@ class TreeRounds:
         s.lens.copy_(fresh.lens)
         s.last.copy_(fresh.last)
         s.tables.copy_(fresh.tables)
+        s.live.copy_(fresh.live)
         graphs.bind_tables(rows_bucket, width, s.tables.repeat_interleave(rows_per, dim=0))
         self._write_rows(s, t, self._first_nodes(requests, t, s.last, bucket))
         for rnd in range(num_rounds):
@@ -241,6 +245,7 @@ class TreeRounds:
             tables=torch.full((bucket, width), scratch, dtype=torch.int64, device=device),
             tokens=torch.zeros((bucket, t.k + 1), dtype=torch.int64, device=device),
             accepted=torch.zeros(bucket, dtype=torch.int64, device=device),
+            live=torch.zeros(bucket, dtype=torch.int64, device=device),
         )
         forward = graphs.graphs[(rows_bucket, width)]
         rows = bucket * (1 + t.num_nodes)
