@@ -224,10 +224,8 @@ class DecodeGraphs:
         context_lens: torch.Tensor,  # [n] int64
         block_tables: torch.Tensor,  # [n, w] int64: each row's table (ids past its context are not read)
         max_context_len: int,  # a bound on context_lens, known on the host: picks the table width
-        tree_masks: torch.Tensor | None = None,  # [n] int64 packed masks of tree rows (graphs captured with them)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [n, vocab] float32, hidden [n, hidden]
-        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait.
-        Rows given ``tree_masks`` keep them until ``clear_tree_masks``."""
+        """``run`` with inputs computed on the device: device-to-device copies, no host values, no wait."""
         n = input_ids.shape[0]
         batch, width = self.bucket(n, max_context_len)
         self.bind_tables(batch, width, block_tables)
@@ -235,10 +233,6 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slots)
         self.context_lens[:n].copy_(context_lens)
-        if tree_masks is not None:
-            if self.tree_masks is None:
-                raise ValueError("tree masks given, but these graphs were captured without them")
-            self.tree_masks[:n].copy_(tree_masks)
         logits, hidden = self.replay(batch, width)
         return logits[:n], hidden[:n]
 

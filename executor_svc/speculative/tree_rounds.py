@@ -72,9 +72,9 @@ class TreeRounds:
 
     # -- one round's work after the forward ---------------------------------------------------
 
-    def _judge(self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _judge(self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, logits: torch.Tensor) -> None:
         """Verdict of a round whose rows ``ids`` [B, 1 + n] gave ``logits``: moves the accepted KV, advances
-        ``s`` and points the heads at each accepted node. Returns the accepted nodes' rows [B]."""
+        ``s`` and points the heads at each accepted node's row."""
         batch, rows_per = ids.shape
         target = logits[: batch * rows_per].argmax(dim=-1).view(batch, rows_per)
         tokens, accepted, best = tree_verdict(ids, target, t)
@@ -83,10 +83,8 @@ class TreeRounds:
         s.accepted.copy_(accepted)
         s.lens.add_((accepted + 1) * s.live)
         s.last.copy_(tokens.gather(1, accepted[:, None]).squeeze(1))
-        rows = torch.arange(batch, device=ids.device) * rows_per + best
-        self.chain.hidden_rows[:batch].copy_(rows)
+        self.chain.hidden_rows[:batch].copy_(torch.arange(batch, device=ids.device) * rows_per + best)
         self.chain.last_tokens[:batch].copy_(s.last)
-        return rows
 
     def _grow(self, hidden: torch.Tensor, batch: int, t: TreeTensors) -> torch.Tensor:
         """The next round's tree [batch, n] from the hidden rows ``_judge`` chose (no graph of its own)."""
@@ -150,7 +148,7 @@ class TreeRounds:
         if graphed:
             self._run_graphed(requests, t, num_rounds, bucket, graphs.bucket(bucket * rows_per, max_context), out)
         else:
-            self._run_eager(requests, t, num_rounds, max_context, out)
+            self._run_eager(requests, t, num_rounds, out)
         if next_k:  # the chain the plan brings back for the next step's first round
             hidden = self._last_hidden
             out.next_drafts = self.chain.draft(hidden, batch, next_k).clone()
@@ -183,7 +181,8 @@ class TreeRounds:
             live=to_device([1] * len(requests) + [0] * extra, torch.int64, device),
         )
 
-    def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, max_context: int, out) -> None:
+    def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, out) -> None:
+        """Every round through the eager forward (no GPU, or rows past the CUDA graphs)."""
         batch, rows_per = len(requests), 1 + t.num_nodes
         width = max(len(r.block_table) for r in requests)
         s = self._state(requests, width, batch, t.k)
@@ -192,19 +191,12 @@ class TreeRounds:
         for rnd in range(num_rounds):
             ids, positions, slots, context, masks = tree_round_inputs(s.last, s.lens, nodes, s.tables, t,
                                                                       self.tokens_per_block)
-            if self.graphs is not None and self.graphs.tree_masks is not None and self.graphs.fits(ids.numel(), max_context):
-                logits, hidden = self.graphs.run_device(ids.flatten(), positions.flatten(), slots.flatten(),
-                                                        context.flatten(), row_tables, max_context, masks.flatten())
-            else:
-                logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks,
-                                               row_tables)
+            logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks, row_tables)
             self._judge(s, t, ids, logits)
             out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
             if rnd + 1 < num_rounds:
                 nodes = self._grow(hidden, batch, t)
                 out.drafted[rnd + 1] = t.k
-        if self.graphs is not None and self.graphs.tree_masks is not None:
-            self.graphs.clear_tree_masks(batch * rows_per)
         self._last_hidden = hidden
 
     def _run_graphed(
