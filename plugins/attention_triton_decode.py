@@ -12,6 +12,11 @@ tensor shapes only, never from context-length values, so the launch can be
 captured in a CUDA graph: a row whose context is shorter than the padded table
 simply leaves its last splits empty, and the merge gives empty splits zero weight.
 
+A row may carry a packed tree mask (speculative tree drafts,
+``AttentionMetadata.tree_masks``): the keys among the 63 before it that its
+mask hides are left out like keys past the context. The kernel is compiled
+with that check (``TREE``) only for graphs and steps that carry masks.
+
 A 1-byte cache (FP8 or INT8) is read as it is stored, widened exactly to the
 query's dtype, and its per-layer scales are folded in where they cost nothing:
 the K scale into the softmax scale (q . k = k_scale * (q . k_stored)) and the
