@@ -28,9 +28,16 @@ def speculative_config_from_args(args: argparse.Namespace):
             raise SystemExit("inflight: --speculative draft_model needs --draft-model")
         # Built with the target's flags: the same tokens per block, dtype and limits.
         draft_dir = prepare_engine(args.draft_model, build_config_from_args(args), args.device, args.load_format)
-    from executor_svc.speculative.draft_tree import parse_tree
+    from executor_svc.speculative.draft_tree import DraftTree, parse_tree
 
-    tree = parse_tree(args.draft_tree) if mode is SpeculativeMode.DRAFT_HEADS else None
+    try:
+        tree = parse_tree(args.draft_tree)
+        if tree is not None:
+            DraftTree(tree)  # checks the shape now, before any engine loads
+    except ValueError as exc:
+        raise SystemExit(f"inflight: --draft-tree: {exc}") from None
+    if tree is not None and mode is not SpeculativeMode.DRAFT_HEADS:
+        raise SystemExit(f"inflight: --draft-tree needs --speculative draft_heads, not {args.speculative}")
     return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir,
                              args.speculative_rounds, tree)
 

@@ -73,6 +73,24 @@ def test_tree_flag_parses_chain_default_and_paths():
         SpeculativeConfig(SpeculativeMode.NGRAM, 4, draft_tree=DEFAULT_TREE)
 
 
+def test_draft_tree_flag_is_checked_before_anything_loads():
+    import argparse
+
+    from inflight.serving import speculative_config_from_args
+
+    def config(speculative: str, tree: str):
+        args = argparse.Namespace(speculative=speculative, draft_tree=tree, num_draft_tokens=4, ngram_min=2,
+                                  ngram_max=4, speculative_rounds=8, draft_model=None)
+        return speculative_config_from_args(args)
+
+    assert config("draft_heads", "default").draft_tree == DEFAULT_TREE
+    assert config("ngram", "chain").draft_tree is None
+    with pytest.raises(SystemExit, match="needs --speculative draft_heads"):
+        config("ngram", "default")
+    with pytest.raises(SystemExit, match="no parent"):
+        config("draft_heads", "0;0,0,0")
+
+
 # -- attention under tree masks ----------------------------------------------------------
 
 
