@@ -40,3 +40,8 @@ class KVCacheLayout:
 def slot_mapping(block_table: list[int], start: int, end: int, tokens_per_block: int) -> list[int]:
     """Flat cache slots of token positions ``[start, end)`` of one request."""
     return [block_table[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block for pos in range(start, end)]
+
+
+def device_slots(tables: torch.Tensor, positions: torch.Tensor, tokens_per_block: int) -> torch.Tensor:
+    """``slot_mapping`` on the device, for a batch: tables [B, blocks], positions [B, n] -> slots [B, n]."""
+    return tables.gather(1, positions // tokens_per_block) * tokens_per_block + positions % tokens_per_block

@@ -30,7 +30,7 @@ from tests.test_speculative import COPY_PROMPTS, _counting_rounds, _generate
 def test_default_tree_is_breadth_first_and_prefixes_by_depth():
     tree = DraftTree(DEFAULT_TREE)
     assert tree.num_nodes == 14 and tree.depth == 4
-    assert tree.rows_by_depth() == [3, 7, 11, 14]
+    assert [tree.nodes_within(k) for k in range(1, tree.depth + 1)] == [3, 7, 11, 14]
     assert [len(p) for p in tree.paths] == sorted(len(p) for p in tree.paths)
     # Node 4 is (0, 0): its parent is node 1, (0,); node 12 is (0, 0, 0, 0).
     assert tree.paths[3] == (0, 0) and tree.parents[4] == 1

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.layout import device_slots
 from plugins.attention_metadata import TREE_MASK_BITS
 from plugins.kv_cache_quant import as_bytes
 
@@ -106,10 +107,6 @@ class DraftTree:
     def nodes_within(self, k: int) -> int:
         """Nodes of depth at most ``k``: the rows (besides the root) a round of draft length k verifies."""
         return sum(1 for d in self.depths[1:] if d <= k)
-
-    def rows_by_depth(self) -> list[int]:
-        """Per draft length k = 1..depth, nodes_within(k) (what the executor tells the scheduler)."""
-        return [self.nodes_within(k) for k in range(1, self.depth + 1)]
 
     def ancestors(self, node: int) -> list[int]:
         """The nodes on the path from the root to ``node``: [depth 1 node, ..., node] (empty for the root)."""
@@ -190,8 +187,7 @@ def tree_round_inputs(
     ids = torch.cat([last[:, None], nodes], dim=1)
     positions = base + t.depths
     seq = base + torch.arange(t.num_nodes + 1, device=lens.device)
-    slots = tables.gather(1, seq // tokens_per_block) * tokens_per_block + seq % tokens_per_block
-    return ids, positions, slots, seq + 1, t.masks.expand(ids.shape[0], -1)
+    return ids, positions, device_slots(tables, seq, tokens_per_block), seq + 1, t.masks.expand(ids.shape[0], -1)
 
 
 def tree_verdict(
@@ -258,11 +254,8 @@ def compact_kv(
     path = t.paths.index_select(0, best)  # [B, k]: node at depth 1..k (the best node repeated past its depth)
     dst_seq = base + t.steps
     src_seq = torch.where(t.steps[None, :] <= accepted[:, None], base + path, dst_seq)
-
-    def slots(seq: torch.Tensor) -> torch.Tensor:
-        return (tables.gather(1, seq // tokens_per_block) * tokens_per_block + seq % tokens_per_block).flatten()
-
     cache = as_bytes(kv_cache)
     flat = cache.view(*cache.shape[:2], -1, *cache.shape[4:])  # [layers, 2, blocks * tokens_per_block, kv_heads, D]
-    src, dst = slots(src_seq), slots(dst_seq)
+    src = device_slots(tables, src_seq, tokens_per_block).flatten()
+    dst = device_slots(tables, dst_seq, tokens_per_block).flatten()
     flat.index_copy_(2, dst, flat.index_select(2, src))

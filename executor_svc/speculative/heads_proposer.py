@@ -14,7 +14,6 @@ import torch
 
 from executor_svc.packed_forward import to_device
 from executor_svc.speculative.draft_heads import load_draft_heads
-from executor_svc.speculative.draft_tree import DraftTree, TreeTensors
 from executor_svc.speculative.proposer import DraftRequest, SpeculativeMode
 
 
@@ -47,10 +46,9 @@ class HeadsProposer:
         table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
         return [row[: r.num_drafts] for row, r in zip(table, requests)]
 
-    def device_chain(self, max_requests: int, tree: DraftTree | None = None) -> HeadsChain:
-        """The same heads, drafting between chained rounds on the device (``rounds.py``); with ``tree``, the
-        rounds verify tree drafts."""
-        return HeadsChain(self.heads, self.model, max_requests, self.hidden_device, self.hidden_dtype, tree)
+    def device_chain(self, max_requests: int) -> HeadsChain:
+        """The same heads, drafting between chained rounds on the device (``rounds.py``)."""
+        return HeadsChain(self.heads, self.model, max_requests, self.hidden_device, self.hidden_dtype)
 
     def drop(self, request_id: str) -> None:
         pass
@@ -70,31 +68,18 @@ class HeadsChain:
     captured at engine load (``capture``): a recurrent chain of k drafts is
     some ten kernels per draft, which launched one by one would cost the host
     more than the round itself.
-
-    With a draft tree, the tree rounds (``tree_rounds.py``) grow trees from the
-    same buffers inside graphs of their own; the chain still drafts the next
-    step's first round, which the plan brings back.
     """
 
-    def __init__(
-        self, heads, model, max_requests: int, device: torch.device, dtype: torch.dtype, tree: DraftTree | None = None,
-    ) -> None:
+    def __init__(self, heads, model, max_requests: int, device: torch.device, dtype: torch.dtype) -> None:
         from executor_svc.cuda_graphs import batch_buckets
 
-        self.heads, self.model, self.tree = heads, model, tree
-        self._tree_tensors: dict[int, TreeTensors] = {}
+        self.heads, self.model = heads, model
         self.buckets = batch_buckets(max(1, max_requests))
         top = self.buckets[-1]
         self.hidden = torch.zeros((top, heads.hidden_size), dtype=dtype, device=device)
         self.last_tokens = torch.zeros(top, dtype=torch.int64, device=device)
         self.hidden_rows = torch.zeros(top, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-
-    def tree_tensors(self, k: int) -> TreeTensors:
-        """The tree's index tensors for draft length ``k`` (built once)."""
-        if k not in self._tree_tensors:
-            self._tree_tensors[k] = TreeTensors(self.tree, k, self.hidden.device)
-        return self._tree_tensors[k]
 
     @torch.inference_mode()
     def capture(self, draft_lengths) -> None:

@@ -38,10 +38,12 @@ from torch import nn
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.packed_forward import Segment, pack, run_packed, to_device
 from executor_svc.sampler import RequestSamplingState
+from executor_svc.speculative.draft_tree import DraftTree
 from executor_svc.speculative.heads_proposer import HeadsChain
 from executor_svc.speculative.ngram import ngram_drafts_on_device
 from executor_svc.speculative.tree_rounds import TreeRounds
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
+from kvcache.layout import device_slots
 
 
 @dataclass(slots=True)
@@ -84,7 +86,7 @@ def _round_inputs(
     offsets = torch.arange(drafts.shape[1] + 1, device=lens.device)
     positions = (lens - 1)[:, None] + offsets
     ids = torch.cat([history.gather(1, (lens - 1)[:, None]), drafts], dim=1)
-    slots = tables.gather(1, positions // tokens_per_block) * tokens_per_block + positions % tokens_per_block
+    slots = device_slots(tables, positions, tokens_per_block)
     return ids, positions, slots
 
 
@@ -117,13 +119,14 @@ class RoundsRunner:
         self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int,
         ngram_sizes: tuple[int, int],  # (min_n, max_n) of the lookup that drafts rounds 2..R
         chain: HeadsChain | None = None,  # draft heads draft rounds 2..R (and the next step) instead
+        tree: DraftTree | None = None,  # with heads: greedy steps verify trees of this shape
     ) -> None:
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
         self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
         # With a draft tree, greedy steps verify trees (``tree_rounds.py``).
         self.trees = (
-            TreeRounds(model, kv_cache, graphs, tokens_per_block, chain)
-            if chain is not None and chain.tree is not None else None
+            TreeRounds(model, kv_cache, graphs, tokens_per_block, chain, tree)
+            if chain is not None and tree is not None else None
         )
 
     @torch.inference_mode()
@@ -174,7 +177,7 @@ class RoundsRunner:
     def uses_tree(self, requests: Sequence[RoundsRequest], num_drafts: int) -> bool:
         """Whether a step of ``num_drafts`` per round runs tree drafts: the heads draft a tree that deep and
         every request is greedy (sampled requests verify chains: lossless tree sampling is not built)."""
-        tree = self.chain.tree if self.chain is not None else None
+        tree = self.trees.tree if self.trees is not None else None
         return (
             tree is not None and 1 <= num_drafts <= tree.depth
             and all(r.sampling.config.is_greedy for r in requests)
@@ -182,7 +185,7 @@ class RoundsRunner:
 
     def round_rows(self, num_drafts: int) -> int:
         """Rows per request of one round: its last token and its drafts (a chain's k, or a tree's nodes)."""
-        tree = self.chain.tree if self.chain is not None else None
+        tree = self.trees.tree if self.trees is not None else None
         if tree is not None and 1 <= num_drafts <= tree.depth:
             return 1 + tree.nodes_within(num_drafts)
         return 1 + num_drafts

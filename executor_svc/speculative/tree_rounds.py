@@ -34,7 +34,7 @@ from torch import nn
 
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.packed_forward import to_device
-from executor_svc.speculative.draft_tree import TreeTensors, move_accepted_kv, tree_round_inputs, tree_verdict
+from executor_svc.speculative.draft_tree import DraftTree, TreeTensors, move_accepted_kv, tree_round_inputs, tree_verdict
 from plugins.attention_metadata import AttentionMetadata
 
 
@@ -62,13 +62,21 @@ class TreeRounds:
 
     def __init__(
         self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int, chain,
-    ) -> None:  # chain: heads_proposer.HeadsChain with a tree
+        tree: DraftTree,
+    ) -> None:  # chain: heads_proposer.HeadsChain, whose heads grow the trees from its buffers
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
-        self.tokens_per_block, self.chain = tokens_per_block, chain
+        self.tokens_per_block, self.chain, self.tree = tokens_per_block, chain, tree
+        self._tensors: dict[int, TreeTensors] = {}
         self.buckets = chain.buckets
         self._captured: dict[tuple[int, int, int], _Captured] = {}
         self._pool = None
         self._last_hidden: torch.Tensor | None = None  # the last round's hidden rows, for the next step's chain
+
+    def tree_tensors(self, k: int) -> TreeTensors:
+        """The tree's index tensors for draft length ``k`` (built once)."""
+        if k not in self._tensors:
+            self._tensors[k] = TreeTensors(self.tree, k, self.kv_cache.device)
+        return self._tensors[k]
 
     # -- one round's work after the forward ---------------------------------------------------
 
@@ -112,9 +120,9 @@ class TreeRounds:
             return
         width = graphs.widths[0]
         for k in draft_lengths:
-            if not 1 <= k <= self.chain.tree.depth:
+            if not 1 <= k <= self.tree.depth:
                 continue
-            t = self.chain.tree_tensors(k)
+            t = self.tree_tensors(k)
             rows = 1 + t.num_nodes
             if not graphs.fits(rows, 1):
                 continue
@@ -131,7 +139,7 @@ class TreeRounds:
     def run(self, requests: Sequence, k: int, num_rounds: int, next_k: int):  # -> rounds.RoundsOutput
         from executor_svc.speculative.rounds import RoundsOutput
 
-        t = self.chain.tree_tensors(k)
+        t = self.tree_tensors(k)
         rows_per = 1 + t.num_nodes
         device = self.kv_cache.device
         batch = len(requests)
