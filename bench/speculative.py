@@ -117,7 +117,7 @@ async def _run(async_engine, requests, desc: str) -> dict:
     choices_before = dict(async_engine.scheduler.draft_policy.choices)
     now = async_engine.stats().drafts
     stats_before = dataclasses.replace(now, by_position=list(now.by_position), accepted_by_position=list(now.accepted_by_position))
-    steps_before = async_engine.num_steps
+    steps_before, serial_before = async_engine.num_steps, async_engine.num_serial_steps
     outputs: list[list[int]] = [[] for _ in requests]
     usages = [None] * len(requests)
     with tqdm(desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
@@ -137,6 +137,7 @@ async def _run(async_engine, requests, desc: str) -> dict:
     return {
         "outputs": outputs, "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
         "steps": async_engine.num_steps - steps_before,
+        "serial_steps": async_engine.num_serial_steps - serial_before,  # planned after the previous result
         "draft_tokens": proposed, "accepted_draft_tokens": accepted,
         "draft_length_choices": {
             k: n - choices_before.get(k, 0) for k, n in async_engine.scheduler.draft_policy.choices.items() if n > choices_before.get(k, 0)
@@ -270,8 +271,12 @@ def run_generate(args) -> dict:
                 # A short run of the same batch first: kernels that compile on a step of a new shape
                 # (the batch's prompts as one context step) are not timed, in any mode.
                 await _run(async_engine, requests_of(8), f"{mode} batch {batch} warm-up")
+                host_before = {**async_engine.host_seconds, **executor.runner.host_seconds}
                 run = await _run(async_engine, requests_of(args.batch_max_tokens), f"{mode} batch {batch}")
                 run.pop("outputs")
+                host_after = {**async_engine.host_seconds, **executor.runner.host_seconds}
+                run["host_ms_per_step"] = {k: (v - host_before[k]) * 1e3 / max(run["steps"], 1)
+                                           for k, v in host_after.items()}
                 policy = async_engine.scheduler.draft_policy
                 run["step_cost_points"] = {
                     "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),

@@ -106,6 +106,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._healthy = False
         self.num_steps = 0
+        self.num_serial_steps = 0  # steps planned while none was in flight: the GPU waited for the host's plan
         # Host seconds the step loop spent planning, applying results and streaming them:
         # with overlap, the GPU waits only when these (plus the executor's) exceed a step.
         # Wall time, and this thread's CPU time: the difference is time spent waiting for
@@ -274,6 +275,7 @@ class AsyncEngine:
                 last_result_at = time.perf_counter()  # nor is the time spent attaching again
                 continue
             self.num_steps += 1
+            self.num_serial_steps += not overlapped
             started, cpu = time.perf_counter(), time.thread_time()
             # What the step cost in wall time: from the previous result to its own, the same
             # measure whether steps overlap or run one at a time (then it includes handling the

@@ -246,3 +246,51 @@ def test_saved_recurrent_head_loads_back_with_identical_drafts(engine, recurrent
     heads_meta_path(tmp_path).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="unknown draft head kind 'tree'"):
         load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)
+
+
+def _greedy_chain_walk(drafts: list[list[int]], text: list[int], first_row: int, max_tokens: int) -> int:
+    """Drafts a greedy chain would accept over ``text`` (prompt + output) when each step verifies the heads'
+    drafts from the row that chose its newest token (``drafts[t]``: the heads' drafts from row t)."""
+    row, emitted, accepted = first_row, 1, 0
+    while emitted < max_tokens:
+        k = min(len(drafts[row]), max_tokens - emitted - 1)
+        run = 0
+        while run < k and drafts[row][run] == text[row + 2 + run]:
+            run += 1
+        accepted += run
+        emitted += run + 1
+        row += run + 1
+    return accepted
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer, recurrent_trained, tmp_path, rounds):
+    """Greedy serving accepts, draft for draft, what the trained head proposes from the target's hidden states of
+    the same text (host proposals between steps, and the device chain between chained rounds): a wrong hidden row
+    or last token would change no output, only acceptance, which no token-equality test can see."""
+    import dataclasses
+
+    from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+    from tests.conftest import PROMPTS
+    from tests.test_speculative import COPY_PROMPTS, _generate
+
+    head, _ = recurrent_trained
+    save_draft_heads(head, tmp_path, {"test": True})
+    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, head.num_heads, max_rounds=rounds)
+    spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=speculative)
+    prompts, max_tokens = COPY_PROMPTS[:2] + PROMPTS[:3], 20
+    outputs, usages, _ = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False}, max_tokens=max_tokens)
+    runner = PromptForward.create(engine.model, engine.model_config, 128, engine.tokens_per_block, engine.device,
+                                  engine.dtype)
+    served, walked = [], []
+    for prompt, output, usage in zip(prompts, outputs, usages):
+        prompt_ids = tokenizer.encode(prompt)
+        text = prompt_ids + output
+        hidden = collect_hidden(runner, [text], "hidden", progress=False)[0]
+        with torch.inference_mode():
+            greedy = engine.model.compute_logits(hidden).argmax(-1)
+            drafts = head.propose(hidden, engine.model, head.num_heads, greedy).tolist()
+        served.append(usage.num_accepted_draft_tokens)
+        walked.append(_greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens))
+    assert served == walked
+    assert sum(served) > 0  # the trained head gets some drafts right: the comparison is not of zeros
