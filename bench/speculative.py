@@ -6,6 +6,9 @@ Two parts, each with speculation off measured in the same run:
 scheduler and executor in one process. Batch 1 runs the prompts one at a time
 and reports output tokens/s with each mode against none, the mean accepted
 length (tokens a request gets per step) and acceptance by draft position.
+It also reports the decode rate alone (tokens after each request's first over
+the time after it): the prompt's step, which speculation leaves as it is, is a
+large share of a short answer to a long grounded prompt.
 Batch N submits N requests at once (EOS ignored, fixed length) and compares
 output tokens/s: the load-aware draft length must keep it from dropping.
 Plain decoding alone varies by tens of percent between back-to-back runs of a
@@ -120,9 +123,12 @@ async def _run(async_engine, requests, desc: str) -> dict:
     steps_before, serial_before = async_engine.num_steps, async_engine.num_serial_steps
     outputs: list[list[int]] = [[] for _ in requests]
     usages = [None] * len(requests)
+    first_at: list[float | None] = [None] * len(requests)  # when each request's first token arrived
     with tqdm(desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
         async def one(i, request):
             async for chunk in async_engine.generate(request):
+                if first_at[i] is None and chunk.token_ids:
+                    first_at[i] = time.perf_counter()
                 outputs[i].extend(chunk.token_ids)
                 usages[i] = chunk.usage or usages[i]
                 bar.update(len(chunk.token_ids))
@@ -136,6 +142,8 @@ async def _run(async_engine, requests, desc: str) -> dict:
     tokens = sum(map(len, outputs))
     return {
         "outputs": outputs, "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
+        # Time to the first token (the prompt's step, which speculation does not change), latest request's.
+        "ttft_s": max((t - started for t in first_at if t is not None), default=wall),
         "steps": async_engine.num_steps - steps_before,
         "serial_steps": async_engine.num_serial_steps - serial_before,  # planned after the previous result
         "draft_tokens": proposed, "accepted_draft_tokens": accepted,
@@ -145,6 +153,11 @@ async def _run(async_engine, requests, desc: str) -> dict:
         "drafts_by_position": [b - b0 for b, b0 in zip(drafts.by_position, stats_before.by_position)],
         "accepted_by_position": [a - a0 for a, a0 in zip(drafts.accepted_by_position, stats_before.accepted_by_position)],
     }
+
+
+def _decode_rate(runs: list[dict]) -> float:
+    """Output tokens after the first per second after the first, over one-request runs."""
+    return sum(r["output_tokens"] - 1 for r in runs) / max(sum(r["wall_s"] - r["ttft_s"] for r in runs), 1e-9)
 
 
 def _rates(drafted: list[int], accepted: list[int]) -> list[float | None]:
@@ -247,7 +260,11 @@ def run_generate(args) -> dict:
                 "draft_tokens": proposed, "accepted_draft_tokens": accepted,
                 "acceptance_rate": accepted / proposed if proposed else None, "acceptance_by_position": _rates(drafted, accepted_at),
                 "outputs": [r["outputs"][0] for r in runs],
-                "per_prompt": [{"output_tokens": r["output_tokens"], "wall_s": r["wall_s"]} for r in runs],
+                "per_prompt": [{"output_tokens": r["output_tokens"], "wall_s": r["wall_s"], "ttft_s": r["ttft_s"]}
+                               for r in runs],
+                # Generation alone, which is what speculation speeds up: tokens after each request's first over
+                # the time after it (a long grounded prompt's step weighs on output_tokens_per_s; not on this).
+                "decode_tokens_per_s": _decode_rate(runs),
             }
             choices: dict[int, int] = {}
             for r in runs:
@@ -297,7 +314,8 @@ def run_generate(args) -> dict:
         for cycle in range(args.cycles):
             for mode in args.modes:
                 result = await measure(mode)
-                by_cycle[mode].append({key: res["output_tokens_per_s"] for key, res in result.items()})
+                rates = {key: res["output_tokens_per_s"] for key, res in result.items()}
+                by_cycle[mode].append({**rates, "batch1_decode": result["batch1"]["decode_tokens_per_s"]})
                 if cycle == 0:
                     report["modes"][mode] = result
 
@@ -306,6 +324,7 @@ def run_generate(args) -> dict:
     if plain is not None:
         for mode, res in report["modes"].items():
             res["batch1"]["speedup"] = res["batch1"]["output_tokens_per_s"] / plain["batch1"]["output_tokens_per_s"]
+            res["batch1"]["decode_speedup"] = res["batch1"]["decode_tokens_per_s"] / plain["batch1"]["decode_tokens_per_s"]
             res["batch1"]["same_tokens_as_none"] = res["batch1"]["outputs"] == plain["batch1"]["outputs"]
             res["batch1"]["identical_prompts"] = _identical_prompts(res["batch1"], plain["batch1"])
             for key in [k for k in res if k.startswith("batch") and k != "batch1"]:
@@ -319,6 +338,13 @@ def run_generate(args) -> dict:
                     }
                     log(f"{mode}: {key} speedup by cycle {', '.join(f'{r:.3f}' for r in ratios)} "
                         f"(median {statistics.median(ratios):.3f})")
+                decode = [c["batch1_decode"] / p["batch1_decode"] for c, p in zip(by_cycle[mode], by_cycle["none"])]
+                res["batch1"]["cycles"].update({
+                    "decode_tokens_per_s": [c["batch1_decode"] for c in by_cycle[mode]], "decode_speedup": decode,
+                    "median_decode_speedup": statistics.median(decode),
+                })
+                log(f"{mode}: batch1 decode speedup by cycle {', '.join(f'{r:.3f}' for r in decode)} "
+                    f"(median {statistics.median(decode):.3f})")
     for mode, res in report["modes"].items():
         res["batch1"].pop("outputs")
         same = res["batch1"].get("identical_prompts", {})
