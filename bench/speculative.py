@@ -199,6 +199,8 @@ def run_generate(args) -> dict:
     tokenizer = Tokenizer(engine_dir)
     prompts = {"grounded": GROUNDED, "chat": CHAT}[args.prompts][: args.num_prompts or None]
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+    vocab = base.model_config.vocab_size  # a random-weight shape (--shape tiny-host) may have fewer ids than the tokenizer
+    texts = [[t % vocab for t in ids] for ids in texts]
     report: dict = {
         "engine_dir": engine_dir.name, "prompts": args.prompts, "num_prompts": len(texts),
         "engine": {"max_batch_size": base.max_batch_size, "cuda_graphs": base.decode_graphs is not None,
@@ -289,11 +291,16 @@ def run_generate(args) -> dict:
                 # (the batch's prompts as one context step) are not timed, in any mode.
                 await _run(async_engine, requests_of(8), f"{mode} batch {batch} warm-up")
                 host_before = {**async_engine.host_seconds, **executor.runner.host_seconds}
+                cpu_before = {**async_engine.host_cpu_seconds, **executor.runner.host_cpu_seconds}
                 run = await _run(async_engine, requests_of(args.batch_max_tokens), f"{mode} batch {batch}")
                 run.pop("outputs")
                 host_after = {**async_engine.host_seconds, **executor.runner.host_seconds}
+                cpu_after = {**async_engine.host_cpu_seconds, **executor.runner.host_cpu_seconds}
+                # Wall time per phase, and the thread's CPU time (wall minus waits for the interpreter lock).
                 run["host_ms_per_step"] = {k: (v - host_before[k]) * 1e3 / max(run["steps"], 1)
                                            for k, v in host_after.items()}
+                run["host_cpu_ms_per_step"] = {k: (v - cpu_before[k]) * 1e3 / max(run["steps"], 1)
+                                               for k, v in cpu_after.items()}
                 policy = async_engine.scheduler.draft_policy
                 run["step_cost_points"] = {
                     "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),

@@ -74,7 +74,7 @@ class PluginChoice:
     benchmark: str = ""  # the shapes the candidates were timed on
     # Per weight shape ("NxK"), the variant the chosen kernel runs, where it has several (timed at build).
     tactics: dict[str, str] = field(default_factory=dict)
-    tactic_timings_us: dict[str, dict[str, float]] = field(default_factory=dict)  # "NxK" -> variant -> time
+    tactic_timings_us: dict[str, dict[str, float]] = field(default_factory=dict)  # "NxK" or "NxK@rows" -> variant -> time
 
 
 @dataclass(slots=True)

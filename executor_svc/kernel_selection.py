@@ -223,7 +223,7 @@ def tune_tactics(
         return {}
     report = getattr(importlib.import_module(module), tune)(linear_shapes(model), device, dtype)
     for key, entry in report.items():
-        log.info("%s %s at 1 row: %s (%s)", kind, key, entry["tactic"],
+        log.info("%s %s: %s (%s)", kind, key, entry["tactic"],
                  ", ".join(f"{n} {t:.1f} us" for n, t in entry["timings_us"].items()))
     return {name: report}
 

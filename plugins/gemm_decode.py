@@ -16,11 +16,16 @@ would leave SMs idle. The split partials are added by the program that
 arrives last (an atomic counter per tile), so there is no reduction kernel.
 
 Registered as the ``gemm`` kind's ``triton_gemv`` (CUDA, 16-bit): one row runs
-the GEMV, more rows run F.linear (cuBLAS was faster at two rows on every
-Llama-3.1-8B shape). Which tile a weight shape gets, or whether it stays on
-cuBLAS, is a tactic timed at build (``tune_tactics``, from
+the GEMV, three or more rows run F.linear. Which tile a weight shape gets, or
+whether it stays on cuBLAS, is a tactic timed at build (``tune_tactics``, from
 executor_svc/kernel_selection.py), recorded in the engine and installed again
-at load (``set_tactics``).
+at load (``set_tactics``). Two rows (a step verifying one draft) are timed
+apart, because the answer differs by model: cuBLAS was faster at two rows on
+every Llama-3.1-8B shape, while on SmolLM2-135M's small layers the GEMV,
+launched with programmatic dependent launch like the rest of the decode
+kernels, made a whole two-row forward cheaper than cuBLAS's tiles did. Two
+rows with no timed entry (an engine built before they were timed) stay on
+cuBLAS.
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ def set_tactics(tactics: dict[str, str]) -> None:
 
 
 def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
-    """Time cuBLAS and every tactic at one row on each (N, K) weight shape; install and return the fastest.
+    """Time cuBLAS and every tactic at one and at two rows on each (N, K) weight shape; install and return
+    the fastest.
 
     Returns ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
     """
@@ -97,13 +103,13 @@ def tune_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: tor
         FORMAT, shapes, device, torch.finfo(dtype).bits / 8,
         make_weight=lambda n, k, gen: (torch.randn(n, k, generator=gen, device=device, dtype=dtype),),
         make_x=lambda k, gen: torch.randn(1, k, generator=gen, device=device, dtype=dtype),
-        candidates=candidates,
+        candidates=candidates, rows=(1, 2),
     )
 
 
 @register_kernel(
     "gemm", "triton_gemv", device_types=frozenset({"cuda"}), dtypes=frozenset({torch.float16, torch.bfloat16}),
-    description="Triton split-K GEMV at one row (per-shape tactic timed at build), torch F.linear otherwise",
+    description="Triton split-K GEMV at one or two rows (per-shape tactic timed at build), torch F.linear otherwise",
 )
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     config = _gemv_config(x, weight) if bias is None else None
@@ -111,10 +117,11 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _gemv_config(x: torch.Tensor, weight: torch.Tensor) -> DecodeConfig | None:
-    """The tiles for one row times ``weight``, or None when F.linear should run."""
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dtype != x.dtype or weight.stride(1) != 1:
+    """The tiles for x's rows times ``weight``, or None when F.linear should run."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_ROWS or weight.dtype != x.dtype or weight.stride(1) != 1:
         return None
-    tactic = gemv_tactics.lookup(FORMAT, weight.shape[0], weight.shape[1])
-    if tactic == CUBLAS:
+    rows = x.shape[0]
+    tactic = gemv_tactics.lookup(FORMAT, weight.shape[0], weight.shape[1], rows)
+    if tactic == CUBLAS or (tactic is None and rows > 1):  # two rows run the GEMV only where timed faster
         return None
     return TACTICS[tactic] if tactic else DEFAULT_CONFIG

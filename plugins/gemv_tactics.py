@@ -9,11 +9,15 @@ shape in the engine (``plugins.<kind>.tactics``), and a load installs it
 again. One table per weight format ("dense" for 16-bit weights, "fp8"),
 process-wide, because a weight's shape is all the kernel is called with.
 Shapes not in the table run the format's default tile.
+
+A format may also be timed at more rows than one (the 16-bit GEMV at two,
+the rows of a verification of one draft): those entries are keyed
+``NxK@rows``, and a row count without an entry is the caller's to route.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -21,11 +25,17 @@ from plugins.timing import graph_time_us
 
 TUNE_BYTES = 256 << 20  # weight copies a shape is timed over: well past an H200's 60 MB of L2
 
-_tables: dict[str, dict[tuple[int, int], str]] = {}
+_tables: dict[str, dict[tuple[int, int, int], str]] = {}
 
 
-def shape_key(n: int, k: int) -> str:
-    return f"{n}x{k}"
+def shape_key(n: int, k: int, rows: int = 1) -> str:
+    return f"{n}x{k}" if rows == 1 else f"{n}x{k}@{rows}"
+
+
+def _parse_key(key: str) -> tuple[int, int, int]:
+    shape, _, rows = key.partition("@")
+    n, k = (int(v) for v in shape.split("x"))
+    return n, k, int(rows) if rows else 1
 
 
 def install(fmt: str, tactics: dict[str, str], known: Iterable[str]) -> None:
@@ -35,40 +45,42 @@ def install(fmt: str, tactics: dict[str, str], known: Iterable[str]) -> None:
     for key, name in tactics.items():
         if name not in known:
             raise ValueError(f"unknown {fmt} GEMV tactic {name!r} for {key}; known: {known}")
-        n, k = (int(v) for v in key.split("x"))
-        parsed[(n, k)] = name
+        parsed[_parse_key(key)] = name
     _tables.setdefault(fmt, {}).update(parsed)
 
 
-def lookup(fmt: str, n: int, k: int) -> str | None:
-    """The tactic installed for an (N, K) weight of format ``fmt``, or None."""
-    return _tables.get(fmt, {}).get((n, k))
+def lookup(fmt: str, n: int, k: int, rows: int = 1) -> str | None:
+    """The tactic installed for ``rows`` rows times an (N, K) weight of format ``fmt``, or None."""
+    return _tables.get(fmt, {}).get((n, k, rows))
 
 
 def tune(
     fmt: str, shapes: Iterable[tuple[int, int]], device: torch.device, bytes_per_weight: float,
     make_weight: Callable[[int, int, torch.Generator], tuple], make_x: Callable[[int, torch.Generator], torch.Tensor],
-    candidates: dict[str, Callable[..., torch.Tensor]],
+    candidates: dict[str, Callable[..., torch.Tensor]], rows: Sequence[int] = (1,),
 ) -> dict[str, dict]:
-    """Time every candidate at one row on each (N, K) shape; install the fastest per shape and return
-    ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
+    """Time every candidate at each of ``rows`` rows on each (N, K) shape; install the fastest per shape and
+    row count and return ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
 
     ``make_weight(n, k, generator)`` gives the weight's arguments as the candidates take them after x;
-    ``candidates[name](x, *weight)`` runs one.
+    ``make_x(k, generator)`` one row of x; ``candidates[name](x, *weight)`` runs one.
     """
     gen = torch.Generator(device=device).manual_seed(0)
     report = {}
     for n, k in dict.fromkeys(shapes):
         copies = max(1, -(-TUNE_BYTES // int(bytes_per_weight * n * k)))
         weights = [make_weight(n, k, gen) for _ in range(copies)]
-        x = make_x(k, gen)
         reps = max(1, 8 // copies)  # at least 8 calls a graph
-        timings = {
-            name: graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
-            for name, run in candidates.items()
-        }
-        best = min(timings, key=timings.__getitem__)
-        report[shape_key(n, k)] = {"tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()}}
+        for count in rows:
+            x = torch.cat([make_x(k, gen) for _ in range(count)])
+            timings = {
+                name: graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
+                for name, run in candidates.items()
+            }
+            best = min(timings, key=timings.__getitem__)
+            report[shape_key(n, k, count)] = {
+                "tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()},
+            }
         del weights
     install(fmt, {key: entry["tactic"] for key, entry in report.items()}, candidates)
     return report

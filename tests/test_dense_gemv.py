@@ -73,7 +73,8 @@ def test_gemv_refuses_what_it_cannot_compute():
 
 
 def test_tactics_route_each_shape(fresh_tactics):
-    """A shape set to cuBLAS runs F.linear, a named tactic runs the GEMV with its tiles; more rows run F.linear."""
+    """A shape set to cuBLAS runs F.linear, a named tactic runs the GEMV with its tiles; two rows run the GEMV
+    only with a two-row entry, more rows always run F.linear."""
     x, w = _operands(1, 48, 256, torch.float32)
     calls = []
     original = gemv.dense_gemv
@@ -86,9 +87,16 @@ def test_tactics_route_each_shape(fresh_tactics):
         _check(gemv.linear_gemv(x, wt), x, wt)
         gemv.set_tactics({gemv_tactics.shape_key(48, 256): gemv.CUBLAS})
         _check(gemv.linear_gemv(x, w), x, w)
-        x2 = torch.cat([x, x])
+        x2 = torch.cat([x, -x])
         _check(gemv.linear_gemv(x2, w), x2, w)
-        assert len(calls) == 1
+        assert len(calls) == 1  # two rows, timed at one row only: cuBLAS
+        gemv.set_tactics({gemv_tactics.shape_key(48, 256, 2): "n32 k128 w4"})
+        assert gemv_tactics.lookup("dense", 48, 256, 2) == "n32 k128 w4" and gemv_tactics.lookup("dense", 48, 256) == gemv.CUBLAS
+        _check(gemv.linear_gemv(x2, w), x2, w)
+        assert calls[1:] == [gemv.TACTICS["n32 k128 w4"]]
+        x3 = torch.cat([x2, x])
+        _check(gemv.linear_gemv(x3, w), x3, w)
+        assert len(calls) == 2
     finally:
         gemv.dense_gemv = original
     with pytest.raises(ValueError, match="unknown dense GEMV tactic"):
@@ -96,9 +104,10 @@ def test_tactics_route_each_shape(fresh_tactics):
 
 
 def test_engine_tactics_are_installed_at_load(fresh_tactics, caplog):
-    choice = PluginChoice(name=GEMV, requested="auto", tactics={"24x16": "n32 k128 w4"})
+    choice = PluginChoice(name=GEMV, requested="auto", tactics={"24x16": "n32 k128 w4", "24x16@2": gemv.CUBLAS})
     apply_tactics({"gemm": choice})
     assert gemv_tactics.lookup("dense", 24, 16) == "n32 k128 w4"
+    assert gemv_tactics.lookup("dense", 24, 16, 2) == gemv.CUBLAS
     # An engine from another version of the kernels, naming a tile this one lacks, still loads.
     apply_tactics({"gemm": PluginChoice(name=GEMV, requested="auto", tactics={"48x16": "n7 k7 w7"})})
     assert gemv_tactics.lookup("dense", 48, 16) is None
@@ -133,3 +142,17 @@ def test_llama_shapes_in_a_cuda_graph(name):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, x, w)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="tactics are timed from CUDA graphs")
+def test_tactics_are_timed_at_one_and_two_rows(fresh_tactics):
+    report = gemv.tune_tactics([(1024, 4096), (576, 576)], DEVICE, torch.bfloat16)
+    assert set(report) == {"1024x4096", "1024x4096@2", "576x576", "576x576@2"}
+    for key, entry in report.items():
+        assert set(entry["timings_us"]) == {gemv.CUBLAS, *gemv.TACTICS}
+        assert entry["tactic"] == min(entry["timings_us"], key=entry["timings_us"].get)
+        n, k = (int(v) for v in key.split("@")[0].split("x"))
+        rows = 2 if "@" in key else 1
+        assert gemv_tactics.lookup("dense", n, k, rows) == entry["tactic"]
+        x, w = _operands(rows, n, k, torch.bfloat16)
+        _check(gemv.linear_gemv(x, w), x, w)

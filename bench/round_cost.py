@@ -1,0 +1,143 @@
+"""GPU time of a verification forward by row count, and of a chained draft-heads round by draft length.
+
+What bounds a draft head's speedup at batch 1 is the ratio of a round's cost
+(a forward over 1 + k rows, the verdict, k steps of the head) to a plain
+step's (a forward over one row). This measures both from CUDA events over
+CUDA-graph replays, on random weights of a shape (acceptance plays no part):
+
+* ``forward_{rows}_rows_ms``: one generation forward of one request's ``rows``
+  single-token rows, as a verification step runs it;
+* ``round_k{k}_ms``: one of eight chained rounds verifying k drafts with a
+  recurrent head drafting between them (``RoundsRunner``).
+
+``--gemv-rows N`` is an experiment: route up to N rows through the 16-bit
+GEMV with its one-row tile, whatever the build timed (0: the engine's own
+routing). Speedup at acceptance giving T tokens a round is about
+``T * forward_1_rows_ms / round_k{k}_ms``.
+
+Example:
+  python bench/round_cost.py --shape smollm2-135m --output bench/results/h200_round_cost_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_common import log, write_report  # noqa: E402
+from model_shapes import SHAPES, shape_folder  # noqa: E402
+
+
+def _route_rows_to_gemv(max_rows: int) -> None:
+    """Make the 16-bit GEMV take up to ``max_rows`` rows with the tile it would use for one."""
+    import plugins.gemm_decode as gemm
+
+    gemm.MAX_ROWS = max_rows
+    one_row = gemm._gemv_config
+
+    def config(x, weight):
+        if x.dim() == 2 and 1 < x.shape[0] <= max_rows:
+            return one_row(x[:1], weight)
+        return one_row(x, weight)
+
+    gemm._gemv_config = config
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    if args.gemv_rows:
+        _route_rows_to_gemv(args.gemv_rows)  # before the engine loads: its CUDA graphs capture the routing
+    import plugins.gemm_decode as gemm
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_engine
+    from executor_svc.engine import RuntimeConfig, load_engine
+    from executor_svc.packed_forward import Segment, pack, run_packed
+    from executor_svc.sampler import RequestSamplingState
+    from executor_svc.speculative.draft_heads import RecurrentDraftHead
+    from executor_svc.speculative.heads_proposer import HeadsChain
+    from executor_svc.speculative.rounds import RoundsRequest, RoundsRunner
+    from inflight.model_store import default_cache_dir
+    from protos.plan import SamplingConfig
+
+    device = torch.device(args.device)
+    root = default_cache_dir() / "round-cost"
+    engine_dir = root / f"{args.shape}-engine"
+    if not (engine_dir / "engine.json").exists():
+        build = BuildConfig(max_batch_size=256, max_num_tokens=8192, max_seq_len=2048, tokens_per_block=16,
+                            dtype="bfloat16")
+        build_engine(shape_folder(args.shape, root, args.tokenizer_from), engine_dir, build, device=args.device,
+                     load_format="dummy", progress=False)
+    eng = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=0.3))
+    out: dict = {"shape": args.shape, "gemv_rows": args.gemv_rows, "gemm_kernel": eng.manifest.plugins["gemm"].name,
+                 "gemm_tactics": eng.manifest.plugins["gemm"].tactics}
+    # The routed GEMV against float32 torch on the model's layer shapes (the experiment's correctness).
+    gen = torch.Generator(device=device).manual_seed(0)
+    config = eng.model_config
+    diffs = []
+    for n, k in {(config.hidden_size, config.hidden_size), (config.intermediate_size, config.hidden_size),
+                 (config.hidden_size, config.intermediate_size), (config.vocab_size, config.hidden_size)}:
+        w = torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) * 0.05
+        for m in (2, 5, 8):
+            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.bfloat16)
+            ref = F.linear(x.float(), w.float())
+            got = gemm.linear_gemv(x, w)
+            diffs.append(float((got.float() - ref).abs().max() / ref.abs().max()))
+    out["max_rel_diff"] = max(diffs)
+    head = RecurrentDraftHead(4, config.hidden_size, config.vocab_size).to(device, eng.dtype)
+    chain = HeadsChain(head, eng.model, 128, device, eng.dtype)
+    runner = RoundsRunner(eng.model, eng.kv_cache, eng.decode_graphs, eng.tokens_per_block, (1, 1), chain)
+    runner.warm_up(range(1, 5))
+    table = list(range(40))  # 640 slots: the 300-token context and eight rounds of up to five rows
+    history = list(range(100, 400))
+
+    def request() -> RoundsRequest:
+        return RoundsRequest(history, table, [5, 6, 7, 8],
+                             RequestSamplingState(SamplingConfig(temperature=0.0), history, device))
+
+    def forward(rows: int) -> torch.Tensor:
+        packed = pack([Segment(table, 299, rows, True)], eng.tokens_per_block)
+        logits, _ = run_packed(eng.model, eng.kv_cache, eng.decode_graphs, packed, [7] * rows, list(range(rows)),
+                               None, True)
+        return logits
+
+    def gpu_ms(fn, n: int) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 8):
+            out[f"forward_{rows}_rows_ms"] = round(gpu_ms(lambda: forward(rows), 30), 4)
+        for k in (1, 2, 3, 4):
+            out[f"round_k{k}_ms"] = round(gpu_ms(lambda: runner.run([request()], k, 8, k), 10) / 8, 4)
+    log(", ".join(f"{key} {value}" for key, value in out.items() if key.endswith("_ms")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="whose tokenizer the shape folder gets")
+    p.add_argument("--device", default="cuda", choices=["cuda"], help="CUDA graphs and events: a GPU only")
+    p.add_argument("--gemv-rows", type=int, default=0, help="experiment: up to this many rows on the GEMV (0: off)")
+    p.add_argument("--output", type=Path, default=Path("bench/results/round_cost.json"))
+    args = p.parse_args(argv)
+    write_report("bench/round_cost.py", argv, args.device, args.output, run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
