@@ -62,6 +62,26 @@ def test_gemv_matches_torch(rows, n, k, config, dtype):
     _check(gemv.dense_gemv(x, w, config), x, w)
 
 
+# (rows, N, K, tile): the tl.dot path of 3 to 16 rows, N and K off its tiles, split or not.
+DOT_CASES = [
+    (3, 40, 200, gemv.DOT_TACTICS["dot n32 k128"]),
+    (5, 96, 512, gemv.DOT_TACTICS["dot n64 k128"]),
+    (16, 72, 384, gemv.DOT_TACTICS["dot n16 k128"]),
+    (8, 33, 640, gemv.DOT_TACTICS["dot n32 k64 w2"]),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,n,k,config", DOT_CASES)
+def test_dot_matches_torch(rows, n, k, config, dtype):
+    x, w = _operands(rows, n, k, dtype)
+    _check(gemv.dense_dot(x, w, config), x, w)
+
+
+def test_row_classes():
+    assert [gemv.row_class(m) for m in (0, 1, 2, 3, 8, 16, 17)] == [None, 1, 2, 16, 16, 16, None]
+
+
 def test_gemv_refuses_what_it_cannot_compute():
     x, w = _operands(3, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="at most 2 rows"):
@@ -70,6 +90,9 @@ def test_gemv_refuses_what_it_cannot_compute():
         gemv.dense_gemv(x[:1], w[:, :8])
     with pytest.raises(ValueError, match="unit stride"):
         gemv.dense_gemv(x[:1, :8], w.t())
+    x17, _ = _operands(17, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        gemv.dense_dot(x17, w)
 
 
 def test_tactics_route_each_shape(fresh_tactics):
@@ -91,14 +114,32 @@ def test_tactics_route_each_shape(fresh_tactics):
         _check(gemv.linear_gemv(x2, w), x2, w)
         assert len(calls) == 1  # two rows, timed at one row only: cuBLAS
         gemv.set_tactics({gemv_tactics.shape_key(48, 256, 2): "n32 k128 w4"})
-        assert gemv_tactics.lookup("dense", 48, 256, 2) == "n32 k128 w4" and gemv_tactics.lookup("dense", 48, 256) == gemv.CUBLAS
+        assert gemv_tactics.lookup("dense", 48, 256, 2) == "n32 k128 w4"
+        assert gemv_tactics.lookup("dense", 48, 256) == gemv.CUBLAS
         _check(gemv.linear_gemv(x2, w), x2, w)
         assert calls[1:] == [gemv.TACTICS["n32 k128 w4"]]
         x3 = torch.cat([x2, x])
         _check(gemv.linear_gemv(x3, w), x3, w)
-        assert len(calls) == 2
+        assert len(calls) == 2  # three rows, no 16-row entry: cuBLAS
     finally:
         gemv.dense_gemv = original
+
+
+def test_tactics_route_three_to_sixteen_rows_to_the_dot_tile(fresh_tactics, monkeypatch):
+    x, w = _operands(17, 48, 256, torch.float32)
+    calls = []
+    original = gemv.dense_dot
+    monkeypatch.setattr(gemv, "dense_dot", lambda x, w, config=None: calls.append(config) or original(x, w, config))
+    gemv.set_tactics({gemv_tactics.shape_key(48, 256, gemv.DOT_ROWS): "dot n32 k128"})
+    for rows in (3, 5, 16, 17):
+        _check(gemv.linear_gemv(x[:rows], w), x[:rows], w)
+    assert calls == [gemv.DOT_TACTICS["dot n32 k128"]] * 3  # 17 rows: past one tile, cuBLAS
+    # A name of the wrong class (a table written by hand) runs cuBLAS rather than a kernel that cannot take it.
+    gemv.set_tactics({gemv_tactics.shape_key(48, 256, gemv.DOT_ROWS): "n32 k128 w4",
+                      gemv_tactics.shape_key(48, 256, 2): "dot n32 k128"})
+    _check(gemv.linear_gemv(x[:5], w), x[:5], w)
+    _check(gemv.linear_gemv(x[:2], w), x[:2], w)
+    assert len(calls) == 3
     with pytest.raises(ValueError, match="unknown dense GEMV tactic"):
         gemv.set_tactics({"8x8": "fastest"})
 
@@ -145,14 +186,14 @@ def test_llama_shapes_in_a_cuda_graph(name):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="tactics are timed from CUDA graphs")
-def test_tactics_are_timed_at_one_and_two_rows(fresh_tactics):
+def test_tactics_are_timed_per_row_class(fresh_tactics):
     report = gemv.tune_tactics([(1024, 4096), (576, 576)], DEVICE, torch.bfloat16)
-    assert set(report) == {"1024x4096", "1024x4096@2", "576x576", "576x576@2"}
+    assert set(report) == {f"{shape}{rows}" for shape in ("1024x4096", "576x576") for rows in ("", "@2", "@16")}
     for key, entry in report.items():
-        assert set(entry["timings_us"]) == {gemv.CUBLAS, *gemv.TACTICS}
+        rows = int(key.split("@")[1]) if "@" in key else 1
+        assert set(entry["timings_us"]) == {gemv.CUBLAS, *(gemv.DOT_TACTICS if rows == 16 else gemv.TACTICS)}
         assert entry["tactic"] == min(entry["timings_us"], key=entry["timings_us"].get)
         n, k = (int(v) for v in key.split("@")[0].split("x"))
-        rows = 2 if "@" in key else 1
         assert gemv_tactics.lookup("dense", n, k, rows) == entry["tactic"]
         x, w = _operands(rows, n, k, torch.bfloat16)
         _check(gemv.linear_gemv(x, w), x, w)
