@@ -85,19 +85,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | Non
 
     ``config`` overrides the default tiles (split_k 0: chosen from the SM count).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"dense_gemv takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    if m > MAX_ROWS:
-        raise ValueError(f"dense_gemv takes at most {MAX_ROWS} rows, got {m}")
-    if weight.stride(1) != 1:
-        raise ValueError("dense_gemv needs a weight with unit stride along K")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
+    x, out = _operands("dense_gemv", x, weight, MAX_ROWS)
+    if x.shape[0] == 0:
         return out
-    config = resolve_split(config or DEFAULT_CONFIG, m, n, k, num_sms(x.device))
+    n, k = weight.shape
+    config = resolve_split(config or DEFAULT_CONFIG, x.shape[0], n, k, num_sms(x.device))
     # the weight doubles as the (unread) scale pointer
     return _launch(_float_gemv_kernel, config, x, out, n, k, (weight, weight), (weight.stride(0),), SCALED=False)
 
@@ -107,21 +99,25 @@ def dense_dot(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | None
 
     ``config`` overrides the default tile (``DOT_TACTICS``' first).
     """
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"dense_dot takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    m, k = x.shape
-    if m > DOT_ROWS:
-        raise ValueError(f"dense_dot takes at most {DOT_ROWS} rows, got {m}")
-    if weight.stride(1) != 1:
-        raise ValueError("dense_dot needs a weight with unit stride along K")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
+    x, out = _operands("dense_dot", x, weight, DOT_ROWS)
+    if x.shape[0] == 0:
         return out
-    config = resolve_split(config or next(iter(DOT_TACTICS.values())), m, n, k, num_sms(x.device))
+    n, k = weight.shape
+    config = resolve_split(config or next(iter(DOT_TACTICS.values())), x.shape[0], n, k, num_sms(x.device))
     return _launch(_weight_dot_kernel, config, x, out, n, k, (weight, _unit_scale(x.device)), (weight.stride(0),),
                    PER_CHANNEL=False, PRECISION=_precision(x.dtype))
+
+
+def _operands(name: str, x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x with unit column stride, the [M, N] output to fill) after checking what kernel ``name`` takes."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name} takes x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[0] > max_rows:
+        raise ValueError(f"{name} takes at most {max_rows} rows, got {x.shape[0]}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"{name} needs a weight with unit stride along K")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
 
 
 def _unit_scale(device: torch.device) -> torch.Tensor:
