@@ -10,9 +10,10 @@ again. One table per weight format ("dense" for 16-bit weights, "fp8"),
 process-wide, because a weight's shape is all the kernel is called with.
 Shapes not in the table run the format's default tile.
 
-A format may also be timed at more rows than one (the 16-bit GEMV at two,
-the rows of a verification of one draft): those entries are keyed
-``NxK@rows``, and a row count without an entry is the caller's to route.
+A format may also be timed at more rows than one (the 16-bit GEMM at two
+rows, a verification of one draft, and at sixteen, the class of 3 to 16
+rows): those entries are keyed ``NxK@rows``, and a row count without an
+entry is the caller's to route.
 """
 
 from __future__ import annotations
