@@ -18,11 +18,14 @@ entry is the caller's to route.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from plugins.timing import graph_time_us
+
+log = logging.getLogger("inflight.build")
 
 TUNE_BYTES = 256 << 20  # weight copies a shape is timed over: well past an H200's 60 MB of L2
 
@@ -64,7 +67,8 @@ def tune(
     row count and return ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
 
     ``make_weight(n, k, generator)`` gives the weight's arguments as the candidates take them after x;
-    ``make_x(k, generator)`` one row of x; ``candidates[name](x, *weight)`` runs one.
+    ``make_x(k, generator)`` one row of x; ``candidates[name](x, *weight)`` runs one. A candidate that
+    raises (a tile this GPU cannot compile) is skipped, and named under the entry's "failed".
     """
     gen = torch.Generator(device=device).manual_seed(0)
     report = {}
@@ -74,14 +78,20 @@ def tune(
         reps = max(1, 8 // copies)  # at least 8 calls a graph
         for count in rows:
             x = torch.cat([make_x(k, gen) for _ in range(count)])
-            timings = {
-                name: graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
-                for name, run in candidates.items()
-            }
+            timings, failed = {}, {}
+            for name, run in candidates.items():
+                try:
+                    timings[name] = graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
+                except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot compile (e.g. too much shared memory)
+                    failed[name] = f"{type(exc).__name__}: {exc}"[:300]
+                    log.warning("%s GEMV tactic %s failed on %s: %s", fmt, name, shape_key(n, k, count), failed[name])
+            if not timings:
+                raise RuntimeError(f"no {fmt} GEMV candidate ran on {shape_key(n, k, count)}: {failed}")
             best = min(timings, key=timings.__getitem__)
-            report[shape_key(n, k, count)] = {
-                "tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()},
-            }
+            entry = {"tactic": best, "timings_us": {name: round(t, 2) for name, t in timings.items()}}
+            if failed:
+                entry["failed"] = failed
+            report[shape_key(n, k, count)] = entry
         del weights
     install(fmt, {key: entry["tactic"] for key, entry in report.items()}, candidates)
     return report

@@ -197,3 +197,26 @@ def test_tactics_are_timed_per_row_class(fresh_tactics):
         assert gemv_tactics.lookup("dense", n, k, rows) == entry["tactic"]
         x, w = _operands(rows, n, k, torch.bfloat16)
         _check(gemv.linear_gemv(x, w), x, w)
+
+
+def test_a_tactic_that_fails_is_skipped_at_tuning(fresh_tactics, monkeypatch):
+    """A tile the GPU cannot compile costs that tile, not the build: the others are timed and one is chosen."""
+    import plugins.gemv_tactics as tactics
+
+    def fake_time(calls, device):
+        calls[0]()
+        return 1.0
+
+    monkeypatch.setattr(tactics, "graph_time_us", fake_time)
+
+    def broken(x, w):
+        raise RuntimeError("out of resources: shared memory")
+
+    x_of = lambda k, gen: torch.ones(1, k)  # noqa: E731
+    report = tactics.tune("dense", [(8, 16)], torch.device("cpu"), 4, lambda n, k, gen: (torch.ones(n, k),), x_of,
+                          {"broken": broken, gemv.CUBLAS: lambda x, w: F.linear(x, w)}, rows=(1, 2))
+    for key in ("8x16", "8x16@2"):
+        assert report[key]["tactic"] == gemv.CUBLAS and "shared memory" in report[key]["failed"]["broken"]
+    with pytest.raises(RuntimeError, match="no dense GEMV candidate ran"):
+        tactics.tune("dense", [(8, 16)], torch.device("cpu"), 4, lambda n, k, gen: (torch.ones(n, k),), x_of,
+                     {"broken": broken})
