@@ -141,7 +141,8 @@ FORMAT = "dense"  # this kernel's table in plugins/gemv_tactics.py
 
 
 def set_tactics(tactics: dict[str, str]) -> None:
-    """Install per-shape tactics (``shape_key`` -> a TACTICS name or ``CUBLAS``), e.g. from an engine."""
+    """Install per-shape tactics (``shape_key`` -> a TACTICS or DOT_TACTICS name, or ``CUBLAS``), e.g. from
+    an engine."""
     gemv_tactics.install(FORMAT, tactics, [CUBLAS, *TACTICS, *DOT_TACTICS])
 
 
