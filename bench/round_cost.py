@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import log, write_report  # noqa: E402
+from bench_common import log, time_us, write_report  # noqa: E402
 from model_shapes import SHAPES, shape_folder  # noqa: E402
 
 
@@ -106,17 +106,8 @@ def run(args: argparse.Namespace) -> dict:
                                None, True)
         return logits
 
-    def gpu_ms(fn, n: int) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / n
+    def gpu_ms(fn, repeats: int) -> float:
+        return time_us(fn, device, warmup=3, repeats=repeats) / 1e3
 
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8):

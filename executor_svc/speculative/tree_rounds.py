@@ -238,15 +238,7 @@ class TreeRounds:
         if key in self._captured:
             return self._captured[key]
         graphs, device = self.graphs, self.kv_cache.device
-        scratch = graphs.scratch_block
-        state = _TreeState(
-            lens=torch.ones(bucket, dtype=torch.int64, device=device),
-            last=torch.zeros(bucket, dtype=torch.int64, device=device),
-            tables=torch.full((bucket, width), scratch, dtype=torch.int64, device=device),
-            tokens=torch.zeros((bucket, t.k + 1), dtype=torch.int64, device=device),
-            accepted=torch.zeros(bucket, dtype=torch.int64, device=device),
-            live=torch.zeros(bucket, dtype=torch.int64, device=device),
-        )
+        state = self._state([], width, bucket, t.k)  # all padding
         forward = graphs.graphs[(rows_bucket, width)]
         rows = bucket * (1 + t.num_nodes)
         ids = graphs.input_ids[:rows].view(bucket, 1 + t.num_nodes)
