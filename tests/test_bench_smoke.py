@@ -109,3 +109,34 @@ def test_bench_dense_gemv_smoke(tmp_path: Path) -> None:
         assert entry["cublas_us"] > 0 and entry["gemv_best_us"] > 0 and entry["gemv_default_us"] > 0
     for row in result["results"]:
         assert row["max_rel_diff"] < 1e-5, row
+
+
+def test_step_kernels_names_each_kernels_category() -> None:
+    """Kernel names seen in an H200 profile of a Llama-3.1-8B step fall in the categories they belong to."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from step_kernels import category
+
+    assert category("_decode_split_kernel") == category("_context_kernel") == "attention"
+    assert category("nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_TNT") == "gemm"
+    assert category("void cublasLt::splitKreduce_kernel<32, 16, int, float>") == "gemm"
+    assert category("_weight_dot_kernel") == "gemm"
+    assert category("_fp8_per_token_kernel") == "activation_quant"
+    assert category("_rms_norm_kernel") == "norm" and category("_rope_write_kv_kernel") == "rotary"
+    assert category("_act_and_mul_kernel") == "activation"
+    assert category("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>") == "sampling"
+    assert category("Memset (Unknown)") == "other"
+
+
+@pytest.mark.timeout(170)
+def test_step_kernels_smoke(tmp_path: Path) -> None:
+    """bench/step_kernels.py on the CPU (steps run, no device kernels to see): the report has both step kinds."""
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, str(REPO / "bench" / "step_kernels.py"), "--shape", "tiny-host", "--device", "cpu",
+           "--batch-size", "8", "--context", "32", "--prefill-requests", "50", "--max-num-tokens", "128",
+           "--steps", "2", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=160)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    steps = json.loads(out.read_text())["steps"]
+    assert steps["decode"]["rows"] == 8
+    assert steps["context"]["rows"] == 128  # 50 prompts capped to what --max-num-tokens holds: 4 x 32
+    assert steps["decode"]["step_ms"] > 0 and steps["context"]["step_ms"] > 0
