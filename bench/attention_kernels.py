@@ -183,7 +183,7 @@ def measure(kind: str, step: Step, shapes: Shapes, args: argparse.Namespace, flu
     if kind == "generation":
         # How the decode kernel cut the sequences (a tuning knob), then both plugins as graph replays.
         span = meta.block_tables.shape[1] * shapes.tokens_per_block
-        tiles = decode_tiles(shapes.head_dim, q.dtype)
+        tiles = decode_tiles(shapes.head_dim, q.dtype, step.args[1].dtype)
         splits, split_len = decode_splits(len(step.requests), shapes.kv_heads, span, num_sms(device), tiles)
         row.update(decode_splits=splits, decode_split_tokens=split_len)
         if device.type == "cuda" and not args.no_graphs:

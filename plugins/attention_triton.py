@@ -88,7 +88,7 @@ if triton is not None:
         if meta.single_query_rows.numel():  # a shape, not a value: graph-safe
             decode_attention(
                 q, k_cache, v_cache, meta, scale, sliding_window, out,
-                decode_tiles(head_dim, q.dtype), num_sms(q.device), k_scale, v_scale,
+                decode_tiles(head_dim, q.dtype, k_cache.dtype), num_sms(q.device), k_scale, v_scale,
             )
         if meta.multi_query_rows:
             tiles = context_tiles(head_dim, q.dtype)

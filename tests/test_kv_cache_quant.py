@@ -146,6 +146,18 @@ def test_decode_attention_over_a_quantized_cache(kv, dtype):
 
 
 @pytest.mark.parametrize("kv", ["FP8", "INT8"])
+def test_a_bfloat16_query_past_float16_range_stays_finite_over_a_quantized_cache(kv):
+    # The kernel multiplies 1-byte tiles in float16 and clamps a bfloat16 query into float16's range:
+    # a query element past 65504 must not become inf (and NaN after the softmax).
+    q, k, v, meta, k_scale, v_scale = quantized_step([(16, 1), (94, 1)], 6, 2, KV_DTYPES[kv], torch.bfloat16)
+    q[:, 0] *= 1e6  # head 0 only; heads 1-5 keep ordinary values
+    out = paged_attention_triton(q, k, v, meta, 0.125, 0, k_scale, v_scale)
+    expected = paged_attention(q.float(), k, v, meta, 0.125, 0, k_scale, v_scale)
+    assert torch.isfinite(out).all()
+    assert_close(out[:, 1:], expected[:, 1:], torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv", ["FP8", "INT8"])
 @pytest.mark.parametrize("window", [0, 24])
 def test_decode_attention_split_k_over_a_quantized_cache(kv, window):
     # Many splits, some empty: the V scale is applied before the splits are merged.
