@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     per_step = max(1, args.max_num_tokens // args.context)
     if args.prefill_requests > per_step:  # a context step never holds more rows than the scheduler plans
-        log(f"--prefill-requests {args.prefill_requests} x {args.context} tokens passes --max-num-tokens: {per_step} instead")
+        log(f"--prefill-requests {args.prefill_requests} x {args.context} tokens passes --max-num-tokens:"
+            f" {per_step} instead")
         args.prefill_requests = per_step
     checkpoint, config = resolve_model_source(args)
     build = BuildConfig(
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows, "step_ms": round(step_ms, 3), "kernel_ms": round(kernel_ms, 3),
             "by_category_ms": {k: round(v / 1e3, 3) for k, v in sorted(by_category.items(), key=lambda kv: -kv[1])},
             # layer GEMMs only; the LM head's rows (one per decode row, one per prompt) are in gemm_ms too
-            "gemm_tflop_per_s_excl_lm_head": round(rows * flops_per_token / (gemm_ms / 1e3) / 1e12, 1) if gemm_ms else None,
+            "gemm_tflop_per_s_excl_lm_head": (round(rows * flops_per_token / (gemm_ms / 1e3) / 1e12, 1)
+                                              if gemm_ms else None),
             "kernels": kernels[: args.top],
         }
         report["steps"][kind] = entry

@@ -7,6 +7,13 @@ reads each half once, computes in float32 and rounds once when it stores.
 The grid is (tokens, column blocks), from shapes only, so it is CUDA-graph
 safe. Registered for CUDA; tests also run it on the CPU through Triton's
 interpreter (TRITON_INTERPRET=1) on small shapes.
+
+Its FP8-rows variant (``act_and_mul_fp8_triton``, see ``plugins/fp8_rows.py``)
+stores the product quantized per token for the FP8 down projection: one
+program per row walks the row twice, once for its maximum and once to store
+E4M3 values (the second walk recomputes the product from inputs that L2 still
+holds). Each product is rounded to the model dtype first, so the bytes and the
+scale equal what the projection's own quantizer makes of the 16-bit output.
 """
 
 from __future__ import annotations
@@ -16,12 +23,17 @@ import math
 import torch
 
 from plugins.activation_torch import ACTIVATIONS
+from plugins.fp8_rows import Fp8Rows
 from plugins.pdl import enter, pdl_launch_args
 from plugins.registry import register_kernel
 
 try:
     import triton
     import triton.language as tl
+
+    from plugins.quant_activation_triton import (
+        HAS_DIV_RN_OP, INV_FP8_MAX, MIN_SCALE, fp8_row_scale, fp8_rows_buffers, to_e4m3,
+    )
 except ImportError:  # no triton: the kernel is simply not registered
     triton = None
 
@@ -34,6 +46,18 @@ if triton is not None:
     _TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 
     @triton.jit
+    def _gated(x_row, cols, mask, intermediate, GELU_TANH: tl.constexpr):
+        """act(gate) * up for the columns ``cols`` of one [gate | up] row, in float32."""
+        gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_row + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
+        if GELU_TANH:
+            inner = _TWO_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
+            act = gate * tl.sigmoid(inner)
+        else:  # SiLU
+            act = gate * tl.sigmoid(gate)
+        return act * up
+
+    @triton.jit
     def _act_and_mul_kernel(
         x_ptr, out_ptr, intermediate, x_row_stride, out_row_stride,
         GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
@@ -42,14 +66,30 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < intermediate
-        gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * x_row_stride + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-        if GELU_TANH:
-            inner = _TWO_SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate)
-            act = gate * tl.sigmoid(inner)
-        else:  # SiLU
-            act = gate * tl.sigmoid(gate)
-        tl.store(out_ptr + row * out_row_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+        product = _gated(x_ptr + row * x_row_stride, cols, mask, intermediate, GELU_TANH)
+        tl.store(out_ptr + row * out_row_stride + cols, product.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _act_and_mul_fp8_kernel(
+        x_ptr, q_ptr, scale_ptr, intermediate, x_row_stride, inv_fp8_max, min_scale,
+        GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, HAS_DIV_RN: tl.constexpr,
+    ):
+        enter(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * x_row_stride
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, intermediate, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < intermediate
+            product = _gated(x_row, cols, mask, intermediate, GELU_TANH).to(x_ptr.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(product.to(tl.float32)))
+        scale, inv_scale = fp8_row_scale(tl.max(amax, axis=0), inv_fp8_max, min_scale, HAS_DIV_RN)
+        for start in range(0, intermediate, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < intermediate
+            product = _gated(x_row, cols, mask, intermediate, GELU_TANH).to(x_ptr.dtype.element_ty)
+            tl.store(q_ptr + row * intermediate + cols, to_e4m3(product.to(tl.float32), inv_scale), mask=mask)
+        tl.store(scale_ptr + row, scale)
 
     @register_kernel(
         "activation", "triton", device_types=frozenset({"cuda"}),
@@ -58,14 +98,7 @@ if triton is not None:
     def act_and_mul_triton(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """Same contract as ``plugins.activation_torch.act_and_mul``."""
         # x: [..., 2 * intermediate] = [gate | up] -> [..., intermediate]
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if x.shape[-1] % 2:
-            raise ValueError(f"the fused gate/up input needs an even last dimension, got {x.shape[-1]}")
-        intermediate = x.shape[-1] // 2
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
+        rows, intermediate = _gate_up_rows(x, activation)
         out = torch.empty((rows.shape[0], intermediate), dtype=x.dtype, device=x.device)
         if out.numel():
             grid = (rows.shape[0], triton.cdiv(intermediate, BLOCK_COLUMNS))
@@ -75,3 +108,28 @@ if triton is not None:
                 **pdl_launch_args(x.device),
             )
         return out.view(*x.shape[:-1], intermediate)
+
+    def _gate_up_rows(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, int]:
+        """x [..., 2 * intermediate] checked and viewed as row-major rows; and the intermediate size."""
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if x.shape[-1] % 2:
+            raise ValueError(f"the fused gate/up input needs an even last dimension, got {x.shape[-1]}")
+        rows = x.reshape(-1, x.shape[-1])
+        return (rows if rows.stride(-1) == 1 else rows.contiguous()), x.shape[-1] // 2
+
+    def act_and_mul_fp8_triton(x: torch.Tensor, activation: str = "silu") -> Fp8Rows:
+        """``act_and_mul_triton`` on [tokens, 2 * intermediate] with its rows quantized per token to E4M3."""
+        if x.dim() != 2:
+            raise ValueError(f"expected [tokens, 2 * intermediate], got shape {tuple(x.shape)}")
+        rows, intermediate = _gate_up_rows(x, activation)
+        q, scales = fp8_rows_buffers(rows.shape[0], intermediate, x.device)
+        if q.numel():
+            _act_and_mul_fp8_kernel[(rows.shape[0],)](
+                rows, q, scales, intermediate, rows.stride(0), INV_FP8_MAX, MIN_SCALE,
+                GELU_TANH=activation == "gelu_tanh", BLOCK=BLOCK_COLUMNS, HAS_DIV_RN=HAS_DIV_RN_OP, num_warps=4,
+                **pdl_launch_args(x.device),
+            )
+        return Fp8Rows(q, scales, x.dtype)
+
+    act_and_mul_triton.fp8_rows_variant = act_and_mul_fp8_triton

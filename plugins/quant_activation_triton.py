@@ -34,7 +34,24 @@ INV_FP8_MAX = 1.0 / 448.0  # passed as float32: the reference's factor (executor
 
 
 if triton is not None:
-    _HAS_DIV_RN = hasattr(tl.math, "div_rn")  # older Triton: fdiv with IEEE rounding
+    HAS_DIV_RN_OP = hasattr(tl.math, "div_rn")  # older Triton: fdiv with IEEE rounding
+
+    @triton.jit
+    def fp8_row_scale(amax, inv_fp8_max, min_scale, HAS_DIV_RN: tl.constexpr):
+        """(scale, 1 / scale) of a row whose largest magnitude is ``amax``, as the reference computes them."""
+        scale = tl.maximum(amax * inv_fp8_max, min_scale)
+        # A correctly rounded reciprocal, as torch's: a plain float32 / need not be.
+        if HAS_DIV_RN:
+            inv_scale = tl.math.div_rn(1.0, scale)
+        else:
+            inv_scale = tl.fdiv(1.0, scale, ieee_rounding=True)
+        return scale, inv_scale
+
+    @triton.jit
+    def to_e4m3(x, inv_scale):
+        """float32 ``x`` times ``inv_scale``, saturated and rounded to nearest even on E4M3's grid."""
+        y = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
+        return round_to_e4m3(y).to(tl.float8e4nv)
 
     @triton.jit
     def _fp8_per_token_kernel(
@@ -48,31 +65,29 @@ if triton is not None:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
-        # A correctly rounded reciprocal, as torch's: a plain float32 / need not be.
-        if HAS_DIV_RN:
-            inv_scale = tl.math.div_rn(1.0, scale)
-        else:
-            inv_scale = tl.fdiv(1.0, scale, ieee_rounding=True)
+        scale, inv_scale = fp8_row_scale(tl.max(amax, axis=0), inv_fp8_max, min_scale, HAS_DIV_RN)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(x * inv_scale, -448.0), 448.0)
-            tl.store(q_row + cols, round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+            tl.store(q_row + cols, to_e4m3(x, inv_scale), mask=mask)
         tl.store(scale_ptr + row, scale)
+
+    def fp8_rows_buffers(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty (E4M3 values [rows, cols], float32 scales [rows, 1]) for a kernel to fill."""
+        return (torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=device),
+                torch.empty((rows, 1), dtype=torch.float32, device=device))
 
     def quantize_fp8_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, in] (16- or 32-bit) -> (float8_e4m3fn [tokens, in], float32 scales [tokens, 1])."""
         if x.dim() != 2 or x.stride(1) != 1:
             raise ValueError(f"expected a 2-D row-major activation, got shape {tuple(x.shape)} strides {x.stride()}")
         rows, cols = x.shape
-        q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=x.device)
-        scales = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        q, scales = fp8_rows_buffers(rows, cols, x.device)
         if rows:
             block = min(2048, triton.next_power_of_2(max(cols, 16)))
             _fp8_per_token_kernel[(rows,)](
-                x, q, scales, cols, x.stride(0), INV_FP8_MAX, MIN_SCALE, BLOCK=block, HAS_DIV_RN=_HAS_DIV_RN,
+                x, q, scales, cols, x.stride(0), INV_FP8_MAX, MIN_SCALE, BLOCK=block, HAS_DIV_RN=HAS_DIV_RN_OP,
                 num_warps=4 if block <= 1024 else 8,
             )
         return q, scales

@@ -19,6 +19,7 @@ from executor_svc.quantization.forward import PromptForward
 from executor_svc.quantization.linear import Fp8Linear, Int4AWQLinear, Int8WeightOnlyLinear, SmoothQuantLinear
 from executor_svc.quantization.perplexity import PerplexityGate, perplexity
 from inflight.cli import main as cli_main
+from plugins.fp8_rows import wants_fp8_rows
 from tests.conftest import TEST_DEVICE
 
 GATE = PerplexityGate(max_increase=50.0, num_texts=2, max_tokens=48)  # generous: W4 on 96 tokens is noisy
@@ -78,6 +79,27 @@ def test_each_mode_builds_validates_and_reloads_the_same_model(engines, label):
     ids = encode_texts(engine_dir, held_out_texts(GATE.num_texts)[0], GATE.max_tokens)
     runner = PromptForward.create(engine.model, engine.model_config, GATE.max_tokens, 16, engine.device, engine.dtype)
     assert perplexity(runner, ids, progress=False)[0] == pytest.approx(report.quantized, rel=1e-4)
+
+
+def test_fp8_projections_taking_quantized_rows_from_the_kernels_before_them_change_no_score(engines, monkeypatch):
+    """The norms and activations of an FP8 engine hand its projections their input quantized
+    (plugins/fp8_rows.py); scoring held-out text with that hand-over and without it is identical."""
+    from executor_svc.model import llama
+
+    engine = load_engine(engines("FP8"), RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=32 << 20))
+    ids = encode_texts(engines("FP8"), held_out_texts(GATE.num_texts)[0], GATE.max_tokens)
+    runner = PromptForward.create(engine.model, engine.model_config, GATE.max_tokens, 16, engine.device, engine.dtype)
+    handed_over = []
+
+    def recorded(projection, rows: int) -> bool:
+        handed_over.append(wants_fp8_rows(projection, rows))
+        return handed_over[-1]
+
+    monkeypatch.setattr(llama, "wants_fp8_rows", recorded)
+    with_rows = perplexity(runner, ids, progress=False)[0]
+    assert handed_over and all(handed_over)  # every projection of a prompt step took quantized rows
+    monkeypatch.setattr(llama, "wants_fp8_rows", lambda projection, rows: False)
+    assert perplexity(runner, ids, progress=False)[0] == with_rows
 
 
 def test_quantized_engine_generates_like_the_float_one(engines, engine, tokenizer):

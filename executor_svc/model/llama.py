@@ -13,11 +13,15 @@ transformers' on the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from executor_svc.model.config import ModelConfig
+from executor_svc.quantization.quantize import quantize_fp8_per_token
 from plugins.attention_metadata import AttentionMetadata
+from plugins.fp8_rows import Fp8Rows, fp8_rows_variant, wants_fp8_rows
 from plugins.kernels import Kernels
 from plugins.rope_torch import rope_cos_sin, rope_inv_freq
 
@@ -32,8 +36,35 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
         self.kernel = kernels.rmsnorm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.kernel(x, self.weight, self.eps, residual, self.weight_offset)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8_rows: bool = False,
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | None]:
+        """(normed rows, x + residual); with ``fp8_rows`` the normed rows come quantized per token
+        for the FP8 projection that reads them (``plugins/fp8_rows.py``)."""
+        if not fp8_rows:
+            return self.kernel(x, self.weight, self.eps, residual, self.weight_offset)
+        fused = fp8_rows_variant(self.kernel)
+        if fused is not None:
+            return fused(x, self.weight, self.eps, residual, self.weight_offset)
+        out, residual = self.kernel(x, self.weight, self.eps, residual, self.weight_offset)
+        return as_fp8_rows(out), residual
+
+
+def as_fp8_rows(x: torch.Tensor) -> Fp8Rows:
+    """16-bit rows quantized per token, exactly as an FP8 projection quantizes its input."""
+    values, scales = quantize_fp8_per_token(x)
+    return Fp8Rows(values, scales, x.dtype)
+
+
+def gated_activation(
+    kernel: Callable[..., torch.Tensor], x: torch.Tensor, activation: str, fp8_rows: bool = False,
+) -> torch.Tensor | Fp8Rows:
+    """act(gate) * up with the engine's activation ``kernel``; with ``fp8_rows`` quantized per token
+    for the FP8 down projection (the kernel's fused variant where it has one)."""
+    if not fp8_rows:
+        return kernel(x, activation)
+    fused = fp8_rows_variant(kernel)
+    return fused(x, activation) if fused is not None else as_fp8_rows(kernel(x, activation))
 
 
 class Linear(nn.Module):
@@ -110,7 +141,8 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = x.shape[0]
-        h, residual = self.input_layernorm(x, residual)
+        # FP8 projections with per-token scales take their input quantized by the kernel before them.
+        h, residual = self.input_layernorm(x, residual, wants_fp8_rows(self.qkv_proj, tokens))
         if residual is None:
             residual = x
         q, k, v = self.qkv_proj(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -121,8 +153,11 @@ class DecoderLayer(nn.Module):
         attn = self.attention(
             q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window, self.k_scale, self.v_scale
         )
-        h, residual = self.post_attention_layernorm(self.o_proj(attn.reshape(tokens, self.q_size)), residual)
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(h), "silu")), residual
+        h, residual = self.post_attention_layernorm(
+            self.o_proj(attn.reshape(tokens, self.q_size)), residual, wants_fp8_rows(self.gate_up_proj, tokens)
+        )
+        h = gated_activation(self.act_and_mul, self.gate_up_proj(h), "silu", wants_fp8_rows(self.down_proj, tokens))
+        return self.down_proj(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

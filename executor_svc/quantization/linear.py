@@ -22,6 +22,7 @@ from executor_svc.quantization.quantize import (
     FP8_DTYPE, GROUP_SCALE_DTYPE, num_groups, quantize_fp8_per_tensor, quantize_fp8_per_token, quantize_fp8_static,
     quantize_int4_groupwise, quantize_int8_per_channel, quantize_int8_per_token,
 )
+from plugins.fp8_rows import Fp8Rows
 
 Kernel = Callable[..., torch.Tensor]
 
@@ -139,7 +140,14 @@ class Fp8Linear(_QuantLinear):
             module.input_scale = input_scale.float().reshape(1).to(weight.device)
         return module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def wants_fp8_rows(self, rows: int) -> bool:
+        """Whether an input of ``rows`` rows is quantized per token here, so that the kernel before
+        this projection may hand it over quantized already (``plugins/fp8_rows.py``)."""
+        return self.input_scale is None and rows > weight_only_rows(self.kernel)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        if isinstance(x, Fp8Rows):  # quantized per token by the norm or activation before this projection
+            return self.kernel(x.values, x.scales, self.weight, self.weight_scale, x.dtype)
         if x.shape[0] <= weight_only_rows(self.kernel):
             # A decode-sized batch: the kernel multiplies 16-bit x by the FP8 weight as it is, since
             # quantizing x would cost more kernels than the GEMM. Decided from the shape on the host,

@@ -1,0 +1,50 @@
+"""Activation rows handed to an FP8 GEMM already quantized, and who asks for them.
+
+An FP8 projection with dynamic per-token scales quantizes its input before its
+GEMM: one more kernel per projection, reading the 16-bit rows that the kernel
+before it (an RMSNorm, a gated activation) has just written. When that kernel
+can store E4M3 values and row scales itself, the rows make one trip through
+memory instead of two, at 1 byte a value instead of 2, and the quantization
+kernel disappears.
+
+The contract:
+
+- A projection that would quantize ``rows`` rows dynamically says so through
+  ``wants_fp8_rows(rows)`` (``executor_svc.quantization.linear.Fp8Linear``) and
+  accepts an ``Fp8Rows`` in place of its 16-bit input.
+- A norm or activation kernel plugin may carry a variant that returns
+  ``Fp8Rows`` as its attribute ``fp8_rows_variant``; where it has none, the
+  model quantizes the kernel's output with the projection's own quantizer.
+  Either way the bytes and scales are those the projection would have made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """Rows quantized per token to E4M3: ``values * scales`` approximates the 16-bit rows."""
+
+    values: torch.Tensor  # [rows, cols] float8_e4m3fn
+    scales: torch.Tensor  # [rows, 1] float32
+    dtype: torch.dtype  # the rows' 16-bit dtype: the GEMM's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+
+def wants_fp8_rows(projection: object, rows: int) -> bool:
+    """Whether ``projection`` would quantize an input of ``rows`` rows per token to FP8 itself."""
+    wants: Callable[[int], bool] | None = getattr(projection, "wants_fp8_rows", None)
+    return wants is not None and wants(rows)
+
+
+def fp8_rows_variant(kernel: Callable) -> Callable | None:
+    """The variant of a norm or activation kernel that stores ``Fp8Rows``, if it has one."""
+    return getattr(kernel, "fp8_rows_variant", None)
