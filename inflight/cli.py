@@ -44,7 +44,7 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "tokens the last accepted (1 = one round a step)")
     g.add_argument("--draft-tree", default="chain",
                    help="draft_heads: 'chain' (k drafts in a row), 'default' (a 14-node tree to depth 4) or the "
-                        "tree's paths of guess ranks, e.g. '0;1;2;0,0;1,0;0,0,0': greedy requests verify the tree")
+                        "tree's paths of guess ranks, e.g. '0;1;2;0,0;1,0;0,0,0': requests verify the tree")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from executor_svc.speculative.draft_tree import (
     DEFAULT_TREE, DraftTree, TreeTensors, compact_kv, parse_tree, tree_round_inputs, tree_verdict,
+    tree_verdict_sampled,
 )
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 from plugins.attention_metadata import AttentionMetadata
 from plugins.attention_torch import paged_attention, tree_visible
 from tests.conftest import PROMPTS, TEST_DEVICE
-from tests.test_speculative import COPY_PROMPTS, _counting_rounds, _generate
+from tests.test_speculative import COPY_PROMPTS, _generate
 
 # -- the tree --------------------------------------------------------------------
 
@@ -182,6 +183,69 @@ def test_verdict_follows_the_deepest_path_the_target_agrees_with():
     assert tokens[0, :3].tolist() == [8, 11, 30]
     assert tokens[1].tolist() == [8, 10, 13, 31]
     assert tokens[2, 0].item() == 99
+
+
+def test_children_list_each_nodes_guesses_best_first_within_the_depth():
+    tree = DraftTree(((0,), (1,), (0, 0), (1, 0), (1, 1), (0, 0, 0), (1, 0, 0)))
+    assert TreeTensors(tree, 3, torch.device("cpu")).children.tolist() == [
+        [1, 2], [3, -1], [4, 5], [6, -1], [7, -1], [-1, -1], [-1, -1], [-1, -1]]
+    assert TreeTensors(tree, 1, torch.device("cpu")).children.tolist() == [[1, 2], [-1, -1], [-1, -1]]
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_sampled_tree_verdict_emits_the_target_distribution_at_every_depth(top_k):
+    """Many requests judge the same tree: the first token follows the root's distribution; after an
+    accepted node, the next token follows that node's; a token is emitted as a draft exactly when its node
+    was accepted. (Nodes: 1=(0,) 2=(1,) 3=(2,) 4=(0,0) 5=(1,0) 6=(0,0,0); vocabulary of 6.)"""
+    from scipy import stats as scipy_stats
+
+    from executor_svc.sampler import RequestSamplingState
+    from protos.plan import SamplingConfig
+
+    torch.manual_seed(1)
+    vocab, trials = 6, 8000
+    tree = DraftTree(((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)))
+    t = TreeTensors(tree, 3, torch.device("cpu"))
+    row_logits = torch.randn(7, vocab) * 1.5
+    order = row_logits[0].argsort(descending=True).tolist()
+    # The root's children: its second and first choices and its least likely token; then one guess each.
+    node_ids = [0, order[1], order[0], order[-1], int(row_logits[1].argmax()), int(row_logits[2].argmax()),
+                int(row_logits[4].argsort()[-2])]
+    config = SamplingConfig(temperature=0.9, top_k=top_k)
+    states = [RequestSamplingState(dataclasses.replace(config, seed=i), [1], "cpu") for i in range(trials)]
+    ids = torch.tensor([node_ids] * trials)
+    tokens, accepted, best = tree_verdict_sampled(ids, row_logits.repeat(trials, 1, 1), t, states)
+
+    def target(row: int) -> torch.Tensor:
+        scaled = row_logits[row] / config.temperature
+        if top_k:
+            scaled = scaled.masked_fill(scaled < scaled.topk(top_k).values[-1], float("-inf"))
+        return scaled.softmax(-1)
+
+    def check(observed: torch.Tensor, probs: torch.Tensor) -> None:
+        counts = torch.bincount(observed, minlength=vocab).double()
+        keep = probs > 0
+        assert counts[~keep].sum() == 0, "a token outside the filtered distribution was emitted"
+        expected = probs[keep].double() * len(observed)
+        chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+        assert chi2 < scipy_stats.chi2.ppf(0.999, int(keep.sum()) - 1), (counts, expected)
+
+    check(tokens[:, 0], target(0))
+    for node, parent_token in ((1, node_ids[1]), (2, node_ids[2])):  # below an accepted depth-1 node
+        below = (best != 0) & (tokens[:, 0] == parent_token)
+        assert int(below.sum()) > 500
+        check(tokens[below, 1], target(node))
+    deep = (tokens[:, 0] == node_ids[1]) & (tokens[:, 1] == node_ids[4])  # nodes 1 and 4 accepted
+    assert int(deep.sum()) > 100
+    check(tokens[deep, 2], target(4))
+    # A draft's token is emitted exactly when its node is on the accepted path.
+    first_child = {node_ids[1]: 1, node_ids[2]: 2, node_ids[3]: 3}
+    for row in range(trials):
+        a, b = int(accepted[row]), int(best[row])
+        path = tree.ancestors(b)
+        assert len(path) == a and tokens[row, :a].tolist() == [node_ids[j] for j in path]
+        if a == 0:
+            assert int(tokens[row, 0]) not in first_child
 
 
 def test_compact_kv_moves_the_accepted_path_where_a_chain_would_have_written_it():
@@ -355,14 +419,35 @@ def test_tree_drafts_give_the_same_greedy_tokens(engine, tokenizer, tree_heads_d
     assert trees and max(k for _, k, _ in trees) == 4 and max(r for _, _, r in trees) == 3
 
 
-def test_sampled_requests_verify_chains_under_a_tree_config(engine, tokenizer, tree_heads_dir, monkeypatch):
-    calls = _counting_rounds(monkeypatch)
+def test_sampled_requests_verify_trees_and_a_seed_repeats_their_tokens(engine, tokenizer, tree_heads_dir, monkeypatch):
+    """Sampling requests (and a greedy one beside them) verify trees: the sampled verdict is lossless
+    (``test_sampled_tree_verdict_emits_the_target_distribution_at_every_depth``); here it runs in the
+    executor, accepts drafts, leaves the greedy request's tokens as they are without speculation, and the
+    same seeds give the same tokens again."""
+    from executor_svc.speculative.tree_rounds import TreeRounds
+
+    greedy_plain, _, _ = _generate(engine, tokenizer, PROMPTS[:1], max_tokens=40)
+    trees, real = [], TreeRounds.run
+
+    def counting(self, requests, k, num_rounds, next_k):
+        trees.append(sum(not r.sampling.config.is_greedy for r in requests))
+        return real(self, requests, k, num_rounds, next_k)
+
+    monkeypatch.setattr(TreeRounds, "run", counting)
     speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4, max_rounds=3, draft_tree=DEFAULT_TREE)
     spec = dataclasses.replace(_with_tree_graphs(engine), engine_dir=tree_heads_dir, speculative=speculative)
-    outputs, _, _ = _generate(spec, tokenizer, COPY_PROMPTS, {"adaptive_draft_length": False},
-                              sampling={"temperature": 0.8, "seed": 5}, max_tokens=48)
-    assert calls and all(len(ids) == 48 for ids in outputs)
-    assert all(0 <= t < engine.model_config.vocab_size for ids in outputs for t in ids)
+    runs = []
+    for _ in range(2):
+        sampled, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, {"adaptive_draft_length": False},
+                                       sampling={"temperature": 0.8, "seed": 5}, max_tokens=48)
+        runs.append(sampled)
+        assert all(len(ids) == 48 for ids in sampled)
+        assert all(0 <= t < engine.model_config.vocab_size for ids in sampled for t in ids)
+        assert sum(u.num_accepted_draft_tokens for u in usages) > 0
+    assert runs[0] == runs[1]
+    assert trees and max(trees) == len(COPY_PROMPTS)  # every request of those steps sampled, on a tree
+    greedy, _, _ = _generate(spec, tokenizer, PROMPTS[:1], {"adaptive_draft_length": False}, max_tokens=40)
+    assert greedy == greedy_plain
 
 
 def test_executor_offers_tree_rows_and_rejects_rounds_of_other_sizes(engine, tree_heads_dir):

@@ -6,7 +6,8 @@ heads' best few guesses for the next token, each of those has children of
 its own, and so on (Medusa, Cai et al. 2024; EAGLE, Li et al. 2024). The
 target verifies every node at once and keeps the deepest path whose every
 token it agrees with, so a wrong first guess can still be rescued by the
-second one.
+second one (a request that samples walks the tree with rejection sampling
+instead: ``tree_verdict_sampled``).
 
 The shape is static: a list of paths, each the ranks of the guesses taken at
 each depth (``(0, 1)`` is the best guess's second-best child). Nodes are
@@ -30,10 +31,12 @@ queued (or captured) without waiting for the device.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from executor_svc.sampler import RequestSamplingState, config_probs
 from kvcache.layout import device_slots
 from plugins.attention_metadata import TREE_MASK_BITS
 from plugins.kv_cache_quant import as_bytes
@@ -149,6 +152,11 @@ class TreeTensors:
         by_depth = [[j for j in range(n + 1) if tree.depths[j] == d] for d in range(k + 1)]
         self.levels = [as_t(level) for level in by_depth[1:]]  # nodes of depth 1..k
         self.steps = torch.arange(1, k + 1, device=device)  # [k]
+        # Each node's children within depth k, best guess first, padded with -1: [1 + n, widest].
+        kids = [sorted((c for c in range(1, n + 1) if tree.parents[c] == j), key=lambda c: tree.ranks[c])
+                for j in range(n + 1)]
+        widest = max(1, max(len(c) for c in kids))
+        self.children = as_t([c + [-1] * (widest - len(c)) for c in kids])
         # How heads grow the tree level by level (``draft_heads.py``): for depth d = 0..k-1, the level's
         # nodes that have children ("expanding"), and for each node of depth d + 1 the position of its
         # parent among them, its rank, and the guesses to take per parent (the largest rank + 1).
@@ -210,6 +218,65 @@ def tree_verdict(
     tokens = torch.cat([ids.gather(1, path), torch.zeros((batch, 1), dtype=ids.dtype, device=ids.device)], dim=1)
     tokens.scatter_(1, accepted[:, None], target.gather(1, best[:, None]))
     return tokens, accepted, best
+
+
+def tree_verdict_sampled(
+    ids: torch.Tensor,  # [S, 1 + n] the round's row tokens of S sampled requests
+    logits: torch.Tensor,  # [S, 1 + n, vocab] the target's logits after each row
+    t: TreeTensors,
+    states: Sequence[RequestSamplingState],  # [S] the requests' sampling states (none greedy)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [S, 1 + k], accepted [S], best node [S]
+    """Lossless verification of a tree for sampled requests (``tree_verdict``'s contract).
+
+    The drafts are deterministic (the heads' best guesses), so each node's draft
+    distribution is a point mass, and the chain rule of ``verify.py`` extends to
+    siblings (SpecInfer, Miao et al. 2024): at a node whose target distribution is
+    p, its children are tried in turn, best guess first; child x is accepted with
+    probability p(x) / sum(p), and a rejected child's token is removed from p. An
+    accepted child becomes the node and the walk goes on below it; when every
+    child is rejected (or the node has none) the round ends with a token drawn
+    from what is left of p. Each removal keeps the rest of p in proportion, so the
+    token emitted at every depth follows the target's distribution exactly, as if
+    no tree had been drafted. Each request draws from its own generator.
+    """
+    batch, rows = ids.shape
+    k, widest = t.k, t.children.shape[1]
+    device = ids.device
+    probs = config_probs(logits.reshape(batch * rows, -1), [s.config for s in states for _ in range(rows)])
+    probs = probs.view(batch, rows, -1)
+    uniform = torch.empty((batch, k + 1, widest), dtype=torch.float32, device=device)
+    noise = torch.empty((batch, probs.shape[2]), dtype=torch.float32, device=device)
+    for i, state in enumerate(states):
+        state._catch_up(probs.shape[2], device)
+        uniform[i].uniform_(generator=state.generator)
+        noise[i].exponential_(generator=state.generator)
+    noise.clamp_min_(torch.finfo(torch.float32).tiny)  # a zero draw would turn a removed token's 0/0 into NaN
+    every = torch.arange(batch, device=device)
+    node = torch.zeros(batch, dtype=torch.int64, device=device)
+    accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    tokens = torch.zeros((batch, k + 1), dtype=torch.int64, device=device)
+    for depth in range(k + 1):  # the node is at this depth; depth k has no children
+        p = probs[every, node].clone()  # [S, vocab], not renormalised as children are removed
+        chosen = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        for rank in range(widest):
+            child = t.children[node, rank]
+            tried = (child >= 0) & ~done & (chosen < 0)
+            token = ids.gather(1, child.clamp_min(0)[:, None])  # [S, 1]
+            mass = p.gather(1, token).squeeze(1)
+            accept = tried & (uniform[:, depth, rank] * p.sum(dim=1) < mass)
+            chosen = torch.where(accept, child, chosen)
+            p.scatter_(1, token, torch.where(tried & ~accept, 0.0, mass)[:, None])
+        ends = ~done & (chosen < 0)
+        # Where the round ends: a draw from what is left of p (the exponential race ignores the scale).
+        own = (p / noise).argmax(dim=1)
+        drafted = ids.gather(1, chosen.clamp_min(0)[:, None]).squeeze(1)
+        tokens[:, depth] = torch.where(ends, own, torch.where(done, tokens[:, depth], drafted))
+        goes_on = ~done & ~ends
+        accepted += goes_on.to(torch.int64)
+        node = torch.where(goes_on, chosen, node)
+        done |= ends
+    return tokens, accepted, node
 
 
 def top_ids(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -119,11 +119,11 @@ class RoundsRunner:
         self, model: nn.Module, kv_cache: torch.Tensor, graphs: DecodeGraphs | None, tokens_per_block: int,
         ngram_sizes: tuple[int, int],  # (min_n, max_n) of the lookup that drafts rounds 2..R
         chain: HeadsChain | None = None,  # draft heads draft rounds 2..R (and the next step) instead
-        tree: DraftTree | None = None,  # with heads: greedy steps verify trees of this shape
+        tree: DraftTree | None = None,  # with heads: steps verify trees of this shape
     ) -> None:
         self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
         self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
-        # With a draft tree, greedy steps verify trees (``tree_rounds.py``).
+        # With a draft tree, steps verify trees (``tree_rounds.py``).
         self.trees = (
             TreeRounds(model, kv_cache, graphs, tokens_per_block, chain, tree)
             if chain is not None and tree is not None else None
@@ -162,7 +162,7 @@ class RoundsRunner:
     ) -> RoundsOutput:
         """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; with heads, and
         ``next_drafts`` > 0, also that many drafts per request for the next step."""
-        if self.uses_tree(requests, num_drafts):
+        if self.uses_tree(num_drafts):
             return self.trees.run(requests, num_drafts, num_rounds, next_drafts)
         rows = len(requests) * (num_drafts + 1)
         max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * (num_drafts + 1)
@@ -174,14 +174,11 @@ class RoundsRunner:
             return self._run_fused(requests, num_drafts, num_rounds, next_drafts, *graphs.bucket(rows, max_context))
         return self._run_eager(requests, num_drafts, num_rounds, next_drafts, max_context)
 
-    def uses_tree(self, requests: Sequence[RoundsRequest], num_drafts: int) -> bool:
-        """Whether a step of ``num_drafts`` per round runs tree drafts: the heads draft a tree that deep and
-        every request is greedy (sampled requests verify chains: lossless tree sampling is not built)."""
+    def uses_tree(self, num_drafts: int) -> bool:
+        """Whether a step of ``num_drafts`` per round runs tree drafts: the heads draft a tree that deep
+        (greedy and sampled requests alike: ``draft_tree.tree_verdict_sampled`` keeps sampling lossless)."""
         tree = self.trees.tree if self.trees is not None else None
-        return (
-            tree is not None and 1 <= num_drafts <= tree.depth
-            and all(r.sampling.config.is_greedy for r in requests)
-        )
+        return tree is not None and 1 <= num_drafts <= tree.depth
 
     def round_rows(self, num_drafts: int) -> int:
         """Rows per request of one round: its last token and its drafts (a chain's k, or a tree's nodes)."""

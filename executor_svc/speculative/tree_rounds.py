@@ -6,7 +6,8 @@ one round of a tree runs through the decode attention). Each round:
 1. the decode graph replays the rows (the root and the tree's nodes of every
    request), with each row's tree mask;
 2. everything after it runs as tensor operations: the target's argmax, the
-   verdict (``tree_verdict``), the move of the accepted path's keys and
+   verdict (``tree_verdict``; ``tree_verdict_sampled`` for requests that
+   sample), the move of the accepted path's keys and
    values to chain slots (``move_accepted_kv``), each request's new length and
    last token, the heads growing the next tree from the hidden state of the
    accepted node, and the next round's rows written into the decode graph's
@@ -15,7 +16,9 @@ one round of a tree runs through the decode attention). Each round:
 On a GPU, step 2 is itself a CUDA graph, captured the first time a (request
 bucket, depth, table width) is used, so a round is two graph replays and two
 copies, whatever the tree's size: as eager launches, step 2 is over a hundred
-small kernels, and the host, not the GPU, would set the pace. Its Triton
+small kernels, and the host, not the GPU, would set the pace. A step with a
+request that samples runs step 2 eagerly: each such request draws from its own
+generator, which a captured graph cannot hold. Its Triton
 kernels compile at engine load (``warm_up``); a capture on first use costs
 about 0.1 s on the H200 (two graphs, each run once before it is captured).
 
@@ -34,7 +37,10 @@ from torch import nn
 
 from executor_svc.cuda_graphs import DecodeGraphs
 from executor_svc.packed_forward import to_device
-from executor_svc.speculative.draft_tree import DraftTree, TreeTensors, move_accepted_kv, tree_round_inputs, tree_verdict
+from executor_svc.sampler import RequestSamplingState
+from executor_svc.speculative.draft_tree import (
+    DraftTree, TreeTensors, move_accepted_kv, tree_round_inputs, tree_verdict, tree_verdict_sampled,
+)
 from plugins.attention_metadata import AttentionMetadata
 
 
@@ -48,6 +54,21 @@ class _TreeState:
     tokens: torch.Tensor  # [B, 1 + k] the latest round's emitted tokens (its accepted path, then the target's)
     accepted: torch.Tensor  # [B] the latest round's accepted drafts
     live: torch.Tensor  # [B] 1 for a real request, 0 for padding (which stays at length 1, in its first block)
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """The requests of a step that sample rather than take the target's argmax."""
+
+    rows: torch.Tensor  # [S] their positions in the step, on the device
+    states: list[RequestSamplingState]  # [S]
+
+    @classmethod
+    def of(cls, requests: Sequence, device: torch.device) -> _Sampled | None:
+        picked = [(i, r.sampling) for i, r in enumerate(requests) if not r.sampling.config.is_greedy]
+        if not picked:
+            return None
+        return cls(to_device([i for i, _ in picked], torch.int64, device), [state for _, state in picked])
 
 
 @dataclass(slots=True)
@@ -80,12 +101,21 @@ class TreeRounds:
 
     # -- one round's work after the forward ---------------------------------------------------
 
-    def _judge(self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, logits: torch.Tensor) -> None:
+    def _judge(
+        self, s: _TreeState, t: TreeTensors, ids: torch.Tensor, logits: torch.Tensor, sampled: _Sampled | None = None,
+    ) -> None:
         """Verdict of a round whose rows ``ids`` [B, 1 + n] gave ``logits``: moves the accepted KV, advances
-        ``s`` and points the heads at each accepted node's row."""
+        ``s`` and points the heads at each accepted node's row. ``sampled``: the requests that sample."""
         batch, rows_per = ids.shape
-        target = logits[: batch * rows_per].argmax(dim=-1).view(batch, rows_per)
+        logits = logits[: batch * rows_per]
+        target = logits.argmax(dim=-1).view(batch, rows_per)
         tokens, accepted, best = tree_verdict(ids, target, t)
+        if sampled is not None:  # their verdict replaces the greedy one
+            rows = sampled.rows
+            rows_logits = logits.view(batch, rows_per, -1).index_select(0, rows)
+            verdict = tree_verdict_sampled(ids.index_select(0, rows), rows_logits, t, sampled.states)
+            for whole, part in zip((tokens, accepted, best), verdict):
+                whole.index_copy_(0, rows, part)
         move_accepted_kv(self.kv_cache, s.lens, best, accepted, s.tables, t, self.tokens_per_block)
         s.tokens.copy_(tokens)
         s.accepted.copy_(accepted)
@@ -153,10 +183,12 @@ class TreeRounds:
             bucket = next(fitting, batch)
         graphed = bucket is not None
         out = RoundsOutput.empty(num_rounds, requests, k, device)
+        sampled = _Sampled.of(requests, device)
         if graphed:
-            self._run_graphed(requests, t, num_rounds, bucket, graphs.bucket(bucket * rows_per, max_context), out)
+            self._run_graphed(requests, t, num_rounds, bucket, graphs.bucket(bucket * rows_per, max_context), out,
+                              sampled)
         else:
-            self._run_eager(requests, t, num_rounds, out)
+            self._run_eager(requests, t, num_rounds, out, sampled)
         if next_k:  # the chain the plan brings back for the next step's first round
             hidden = self._last_hidden
             out.next_drafts = self.chain.draft(hidden, batch, next_k).clone()
@@ -189,7 +221,7 @@ class TreeRounds:
             live=to_device([1] * len(requests) + [0] * extra, torch.int64, device),
         )
 
-    def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, out) -> None:
+    def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, out, sampled: _Sampled | None) -> None:
         """Every round through the eager forward (no GPU, or rows past the CUDA graphs)."""
         batch, rows_per = len(requests), 1 + t.num_nodes
         width = max(len(r.block_table) for r in requests)
@@ -200,7 +232,7 @@ class TreeRounds:
             ids, positions, slots, context, masks = tree_round_inputs(s.last, s.lens, nodes, s.tables, t,
                                                                       self.tokens_per_block)
             logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks, row_tables)
-            self._judge(s, t, ids, logits)
+            self._judge(s, t, ids, logits, sampled)
             out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
             if rnd + 1 < num_rounds:
                 nodes = self._grow(hidden, batch, t)
@@ -209,21 +241,33 @@ class TreeRounds:
 
     def _run_graphed(
         self, requests: Sequence, t: TreeTensors, num_rounds: int, bucket: int, forward: tuple[int, int], out,
+        sampled: _Sampled | None,
     ) -> None:
         graphs, batch, rows_per = self.graphs, len(requests), 1 + t.num_nodes
         rows_bucket, width = forward
-        captured = self._capture(bucket, t, rows_bucket, width)
-        s = captured.state
         fresh = self._state(requests, width, bucket, t.k)
-        s.lens.copy_(fresh.lens)
-        s.last.copy_(fresh.last)
-        s.tables.copy_(fresh.tables)
-        s.live.copy_(fresh.live)
+        captured = None
+        if sampled is None:  # the work after each forward replays from graphs (see the module docstring)
+            captured = self._capture(bucket, t, rows_bucket, width)
+            s = captured.state
+            s.lens.copy_(fresh.lens)
+            s.last.copy_(fresh.last)
+            s.tables.copy_(fresh.tables)
+            s.live.copy_(fresh.live)
+        else:
+            s = fresh
         graphs.bind_tables(rows_bucket, width, s.tables.repeat_interleave(rows_per, dim=0))
         self._write_rows(s, t, self._first_nodes(requests, t, s.last, bucket))
+        entry = graphs.graphs[(rows_bucket, width)]
+        ids = graphs.input_ids[: bucket * rows_per].view(bucket, rows_per)
         for rnd in range(num_rounds):
             graphs.replay(rows_bucket, width)
-            (captured.draft if rnd + 1 < num_rounds else captured.last).replay()
+            if captured is not None:
+                (captured.draft if rnd + 1 < num_rounds else captured.last).replay()
+            else:  # the same work as the captured graphs, run eagerly
+                self._judge(s, t, ids, entry.logits, sampled)
+                if rnd + 1 < num_rounds:
+                    self._write_rows(s, t, self._grow(entry.hidden, bucket, t))
             out.tokens[rnd].copy_(s.tokens[:batch])
             out.accepted[rnd].copy_(s.accepted[:batch])
             if rnd + 1 < num_rounds:
