@@ -16,11 +16,11 @@ one round of a tree runs through the decode attention). Each round:
 On a GPU, step 2 is itself a CUDA graph, captured the first time a (request
 bucket, depth, table width) is used, so a round is two graph replays and two
 copies, whatever the tree's size: as eager launches, step 2 is over a hundred
-small kernels, and the host, not the GPU, would set the pace. A step with a
-request that samples runs step 2 eagerly: each such request draws from its own
-generator, which a captured graph cannot hold. Its Triton
+small kernels, and the host, not the GPU, would set the pace. Step 2's Triton
 kernels compile at engine load (``warm_up``); a capture on first use costs
-about 0.1 s on the H200 (two graphs, each run once before it is captured).
+about 0.1 s on the H200 (two graphs, each run once before it is captured). A
+step with a request that samples runs step 2 eagerly: each such request draws
+from its own generator, which a captured graph cannot hold.
 
 A step's first round verifies the plan's drafts (the heads' chain from the
 last step) on the tree's best-guess path; its other nodes repeat the last
