@@ -123,13 +123,13 @@ class Gemma3ForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, kv_cache[index], meta, rotary)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [rows, hidden] -> logits: [rows, vocab], float32 for sampling
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [rows, hidden] -> logits [rows, vocab] in float32 (for sampling), into ``out`` when given."""
         logits = self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if out is None else out.copy_(logits)
 
 
 GEMMA3_LAYER_NORMS = {

@@ -184,6 +184,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, kv_cache[index], meta, self.rotary)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [rows, hidden] -> logits: [rows, vocab], float32 for sampling
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [rows, hidden] -> logits [rows, vocab] in float32 (for sampling), into ``out`` when given."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
