@@ -34,10 +34,6 @@ class Fp8Rows:
     scales: torch.Tensor  # [rows, 1] float32
     dtype: torch.dtype  # the rows' 16-bit dtype: the GEMM's output dtype
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
 
 def wants_fp8_rows(projection: object, rows: int) -> bool:
     """Whether ``projection`` would quantize an input of ``rows`` rows per token to FP8 itself."""

@@ -257,7 +257,7 @@ def tree_verdict_sampled(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     tokens = torch.zeros((batch, k + 1), dtype=torch.int64, device=device)
     for depth in range(k + 1):  # the node is at this depth; depth k has no children
-        p = probs[every, node].clone()  # [S, vocab], not renormalised as children are removed
+        p = probs[every, node]  # [S, vocab], a copy (advanced indexing); not renormalised as children are removed
         chosen = torch.full((batch,), -1, dtype=torch.int64, device=device)
         for rank in range(widest):
             child = t.children[node, rank]
