@@ -27,6 +27,7 @@ from executor_svc.kernel_selection import apply_tactics
 from executor_svc.kv_offload import KVOffload
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
+from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK
 from executor_svc.quantization.kv_cache import apply_kv_cache_scales, kv_cache_dtype
 from executor_svc.quantization.records import KVCacheQuant
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
@@ -196,8 +197,11 @@ def _kv_cache_record(manifest: EngineManifest, engine_dir: Path) -> KVCacheQuant
 
 def capture_graphs(engine: Engine, tree_masks: bool = False) -> DecodeGraphs:
     """CUDA graphs of ``engine``'s generation steps; ``tree_masks``: attention reads per-row tree masks."""
+    # Rows past the batch size too: a short prompt runs as rows through a graph (packed_forward's
+    # short_chunks_as_rows) instead of eagerly, whose launches alone cost a small model 20 ms.
+    rows = max(engine.max_batch_size, min(MAX_ROWS_PER_CHUNK, engine.manifest.build_config.max_num_tokens))
     graphs = DecodeGraphs(
-        engine.model, engine.kv_cache, scratch_block=engine.num_kv_blocks, max_batch_size=engine.max_batch_size,
+        engine.model, engine.kv_cache, scratch_block=engine.num_kv_blocks, max_batch_size=rows,
         max_seq_len=engine.max_seq_len, tokens_per_block=engine.tokens_per_block, tree_masks=tree_masks,
     )
     graphs.capture()

@@ -57,8 +57,9 @@ class PackedStep:
         return len(self.positions)
 
 
-# Context chunks of at most this many tokens may attend as rows ...
-MAX_ROWS_PER_CHUNK = 64
+# Context chunks of at most this many tokens may attend as rows (engines capture graphs of at
+# least this many rows, whatever their batch size) ...
+MAX_ROWS_PER_CHUNK = 256
 # ... while the rows' attention reads at most this many (row, context position) pairs in all: each
 # row reads its whole context, so a long chunk over a long prefix reads the cache many times over.
 ROW_ATTENTION_BUDGET = 1 << 17

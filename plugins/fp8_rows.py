@@ -41,6 +41,15 @@ def wants_fp8_rows(projection: object, rows: int) -> bool:
     return wants is not None and wants(rows)
 
 
-def fp8_rows_variant(kernel: Callable) -> Callable | None:
-    """The variant of a norm or activation kernel that stores ``Fp8Rows``, if it has one."""
+def fp8_rows_variant(kernel: Callable, dtype: torch.dtype) -> Callable | None:
+    """The variant of a norm or activation kernel that stores ``Fp8Rows`` of ``dtype`` rows, if it has one.
+
+    Only 16-bit rows are handed over by a variant. On an H200 the fused RMSNorm, given
+    float32 rows, now and then rounds a normalised value one float32 ulp away from what
+    the plain kernel stores, enough to move an E4M3 byte across a rounding boundary; in
+    16 bits the rounding of the row to 16 bits hides that, and the bytes match (GPU tests).
+    Float32 FP8 engines (reference checks) take the projection's own quantizer instead.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
     return getattr(kernel, "fp8_rows_variant", None)

@@ -23,6 +23,7 @@ from plugins.registry import get_kernel
 from tests.conftest import TEST_DEVICE
 
 pytest.importorskip("triton")
+from plugins import activation_triton  # noqa: E402
 from plugins.activation_triton import act_and_mul_fp8_triton, act_and_mul_triton  # noqa: E402
 from plugins.norm_triton import rms_norm_fp8_triton, rms_norm_triton  # noqa: E402
 
@@ -64,10 +65,15 @@ def test_fused_norm_stores_what_the_projection_would_quantize(dtype, rows, hidde
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, intermediate", [(0, 64), (1, 64), (4, 1500)])  # 1500: two column blocks a walk
+@pytest.mark.parametrize("rows, intermediate", [(0, 64), (1, 64), (4, 1500)])
+@pytest.mark.parametrize("single_pass", [True, False])  # False: rows walked in two blocks of columns, twice
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's sigmoid of a large gate
-def test_fused_activation_stores_what_the_projection_would_quantize(dtype, rows, intermediate, activation):
+def test_fused_activation_stores_what_the_projection_would_quantize(
+    dtype, rows, intermediate, single_pass, activation, monkeypatch
+):
+    if not single_pass:
+        monkeypatch.setattr(activation_triton, "SINGLE_PASS_COLUMNS", 512)
     x = _rows(rows, 2 * intermediate, dtype, seed=rows * 3 + intermediate) * 0.01  # gate and up near [-3, 3] x 10^k
     values, scales = qz.quantize_fp8_per_token_reference(act_and_mul_triton(x, activation))
     assert_same_fp8_rows(act_and_mul_fp8_triton(x, activation), values, scales, dtype)
@@ -83,9 +89,13 @@ def test_fused_activation_checks_its_input():
 
 
 def test_the_triton_kernels_carry_their_fused_variants_and_the_references_do_not():
-    assert fp8_rows_variant(rms_norm_triton) is rms_norm_fp8_triton
-    assert fp8_rows_variant(act_and_mul_triton) is act_and_mul_fp8_triton
-    assert fp8_rows_variant(rms_norm) is None and fp8_rows_variant(act_and_mul) is None
+    for dtype in (torch.float16, torch.bfloat16):
+        assert fp8_rows_variant(rms_norm_triton, dtype) is rms_norm_fp8_triton
+        assert fp8_rows_variant(act_and_mul_triton, dtype) is act_and_mul_fp8_triton
+        assert fp8_rows_variant(rms_norm, dtype) is None and fp8_rows_variant(act_and_mul, dtype) is None
+    # float32 rows take the projection's own quantizer (see fp8_rows_variant)
+    assert fp8_rows_variant(rms_norm_triton, torch.float32) is None
+    assert fp8_rows_variant(act_and_mul_triton, torch.float32) is None
 
 
 def _fp8_projection(in_features: int, out_features: int, static: bool = False) -> Fp8Linear:
@@ -114,17 +124,17 @@ def test_model_norm_and_activation_hand_over_the_same_fp8_rows_with_or_without_a
     names = {"rmsnorm": "triton", "activation": "triton"} if fused else {}
     kernels = Kernels(**{kind: (_triton(kind) if kind in names else get_kernel(kind, "torch", DEVICE, torch.float32).fn)
                          for kind in Kernels.__slots__})
-    norm = RMSNorm(64, 1e-6, kernels).to(DEVICE)
-    x, residual = _rows(5, 64, torch.float32, seed=1), _rows(5, 64, torch.float32, seed=2)
+    dtype = torch.float16  # the variants serve 16-bit rows (and the interpreter computes float16 exactly)
+    norm = RMSNorm(64, 1e-6, kernels).to(DEVICE, dtype)
+    x, residual = _rows(5, 64, dtype, seed=1), _rows(5, 64, dtype, seed=2)
     out, summed = norm(x, residual)
     rows, summed_too = norm(x, residual, fp8_rows=True)
     values, scales = qz.quantize_fp8_per_token(out)
-    assert_same_fp8_rows(rows, values, scales, torch.float32)
+    assert_same_fp8_rows(rows, values, scales, dtype)
     assert torch.equal(summed, summed_too)
-    gate_up = _rows(5, 2 * 96, torch.float32, seed=3) * 0.01
+    gate_up = _rows(5, 2 * 96, dtype, seed=3) * 0.01
     values, scales = qz.quantize_fp8_per_token(kernels.activation(gate_up, "silu"))
-    assert_same_fp8_rows(gated_activation(kernels.activation, gate_up, "silu", fp8_rows=True), values, scales,
-                         torch.float32)
+    assert_same_fp8_rows(gated_activation(kernels.activation, gate_up, "silu", fp8_rows=True), values, scales, dtype)
 
 
 def _triton(kind: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from executor_svc.packed_forward import Segment, pack, run_packed, short_chunks_as_rows
+from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK, Segment, pack, run_packed, short_chunks_as_rows
 
 
 def segments(*specs: tuple[int, int, bool]) -> list[Segment]:
@@ -26,7 +26,7 @@ def test_short_chunks_become_rows_when_the_step_then_fits_a_graph():
 
 
 def test_chunks_stay_tiles_when_rows_would_not_help():
-    long_chunk = segments((0, 65, False), (40, 8, False))
+    long_chunk = segments((0, MAX_ROWS_PER_CHUNK + 1, False), (40, 8, False))
     assert not short_chunks_as_rows(long_chunk, always)  # one chunk too long: the step stays eager anyway
     assert not any(seg.as_rows for seg in long_chunk)
     assert not short_chunks_as_rows(segments((8000, 32, False)), always)  # rows would re-read a long context

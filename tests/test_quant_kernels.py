@@ -138,6 +138,23 @@ def test_scaled_mm_kernel_matches_reference():
         _close(out, expected, torch.bfloat16)
 
 
+def test_scaled_mm_makes_a_weight_scales_column_row_once_and_again_after_it_changes():
+    import gc
+
+    from plugins import quant_gemm_scaled_mm as scaled_mm
+
+    scale = torch.tensor([0.5], device=DEVICE)
+    row = scaled_mm._column_scales(scale, 32)
+    assert row.shape == (1, 32) and row.is_contiguous() and torch.all(row == 0.5)
+    assert scaled_mm._column_scales(scale, 32) is row  # no copy per call
+    scale.fill_(2.0)  # a reload writes the scale in place
+    assert torch.all(scaled_mm._column_scales(scale, 32) == 2.0)
+    key = id(scale)
+    del scale
+    gc.collect()
+    assert key not in scaled_mm._COLUMN_SCALES  # forgotten with its weight
+
+
 triton_kernels = pytest.importorskip("plugins.quant_gemm_triton")
 
 
