@@ -7,7 +7,10 @@ head is captured once per (batch-size bucket, block-table width bucket) into
 CUDA graphs that share one memory pool, and a step replays the smallest graph
 that fits: its inputs are copied into static buffers, the padding rows point at
 a scratch KV block that no request owns, and the logits of the real rows are
-read back. Context steps (and anything that does not fit a graph) run eagerly.
+read back. Short prompt chunks ride along as one row per token
+(``packed_forward.short_chunks_as_rows``), so an engine captures buckets up to
+``MAX_ROWS_PER_CHUNK`` rows even when its batch size is smaller; other context steps
+(and anything that does not fit a graph) run eagerly.
 
 Every graph writes its logits into one static float32 buffer of the largest
 bucket's rows. A graph's own outputs stay allocated as long as the graph does,
