@@ -76,13 +76,23 @@ def shape_folder(name: str, root: Path, tokenizer_from: str = "smollm2-135m-inst
     return folder
 
 
-def weight_bytes(config: dict, bytes_per_param: int = 2) -> int:
-    """Bytes one decode step reads from the weights (every matrix but the embedding table)."""
-    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    d = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 2 * h * i + i * h + 2 * h  # qkv, o, gate+up, down, norms
-    return (layers * per_layer + h + h * config["vocab_size"]) * bytes_per_param  # + final norm, lm_head
+def engine_weight_bytes(model) -> int:
+    """Bytes one decode step reads from a loaded engine's weights, as stored (a quantized matrix at
+    its own width, with its scales): every parameter and buffer but the embedding table, of which
+    a step reads one row per token, and the rotary tables, of which it reads one row per position.
+    A table tied to the LM head counts once, as the head."""
+    head = getattr(model, "lm_head", None)
+    head_ptrs = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]} if head is not None else set()
+    seen, total = set(), 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        if ("embed_tokens" in name and ptr not in head_ptrs) or name.endswith((".cos", ".sin")):
+            continue
+        total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def kv_bytes_per_token(config: dict, bytes_per_value: int = 2) -> int:

@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_common import REPO, device_info, free_port, git_info, log, measure_copy_bandwidth, pct  # noqa: E402
-from model_shapes import add_model_source_args, default_load_format, kv_bytes_per_token, resolve_model_source, weight_bytes  # noqa: E402
+from model_shapes import (  # noqa: E402
+    add_model_source_args, default_load_format, engine_weight_bytes, kv_bytes_per_token, resolve_model_source,
+)
 
 
 def parse_scenarios(text: str) -> list[tuple[int, int]]:
@@ -198,11 +200,13 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
             if args.device.startswith("cuda"):
                 bandwidth = measure_copy_bandwidth(args.device)
                 mean_context = in_len + out_len / 2
-                step_bytes = weight_bytes(config) + kv_bytes_per_token(config) * mean_context
-                limit_ms = step_bytes / bandwidth * 1e3
+                # As the engine stores them: an FP8 or INT4 engine reads fewer bytes, a 1-byte cache half.
+                step_weight_bytes = engine_weight_bytes(engine.model)
+                kv_step_bytes = kv_bytes_per_token(config, engine.kv_cache.element_size()) * mean_context
+                limit_ms = (step_weight_bytes + kv_step_bytes) / bandwidth * 1e3
                 one["bandwidth_limit"] = {
-                    "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes(config),
-                    "kv_bytes_per_step_mean": kv_bytes_per_token(config) * mean_context,
+                    "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": step_weight_bytes,
+                    "kv_bytes_per_step_mean": kv_step_bytes,
                     "limit_ms_per_token": limit_ms, "tpot_over_limit": one["tpot_ms"]["p50"] / limit_ms,
                 }
             result["batch1"] = one

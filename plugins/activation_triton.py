@@ -39,7 +39,7 @@ except ImportError:  # no triton: the kernel is simply not registered
 
 BLOCK_COLUMNS = 1024
 # The FP8-rows variant keeps a whole row in registers up to this width (Llama-3.1-8B's 14,336
-# fits at 16,384 over 16 warps, 32 values a thread); a wider row is walked twice, reading it twice.
+# fits at 16,384 over 32 warps, 16 values a thread); a wider row is walked twice, reading it twice.
 SINGLE_PASS_COLUMNS = 16384
 
 
@@ -121,6 +121,14 @@ if triton is not None:
             )
         return out.view(*x.shape[:-1], intermediate)
 
+    def fp8_launch(intermediate: int) -> tuple[int, bool, int]:
+        """(BLOCK, SINGLE_PASS, num_warps) of the FP8-rows variant for rows of ``intermediate`` products."""
+        row_block = triton.next_power_of_2(intermediate)
+        if row_block <= SINGLE_PASS_COLUMNS:
+            # 32 warps at 16,384 columns: 6-7% faster than 16 and 8 at 1,024 and 8,064 rows on an H200.
+            return row_block, True, min(32, max(4, row_block // 512))
+        return BLOCK_COLUMNS, False, 4
+
     def _gate_up_rows(x: torch.Tensor, activation: str) -> tuple[torch.Tensor, int]:
         """x [..., 2 * intermediate] checked and viewed as row-major rows; and the intermediate size."""
         if activation not in ACTIVATIONS:
@@ -137,13 +145,11 @@ if triton is not None:
         rows, intermediate = _gate_up_rows(x, activation)
         q, scales = fp8_rows_buffers(rows.shape[0], intermediate, x.device)
         if q.numel():
-            row_block = triton.next_power_of_2(intermediate)
-            single = row_block <= SINGLE_PASS_COLUMNS
+            block, single, warps = fp8_launch(intermediate)
             _act_and_mul_fp8_kernel[(rows.shape[0],)](
                 rows, q, scales, intermediate, rows.stride(0), INV_FP8_MAX, MIN_SCALE,
-                GELU_TANH=activation == "gelu_tanh", BLOCK=row_block if single else BLOCK_COLUMNS,
-                SINGLE_PASS=single, HAS_DIV_RN=HAS_DIV_RN_OP,
-                num_warps=min(16, max(4, row_block // 1024)) if single else 4, **pdl_launch_args(x.device),
+                GELU_TANH=activation == "gelu_tanh", BLOCK=block, SINGLE_PASS=single, HAS_DIV_RN=HAS_DIV_RN_OP,
+                num_warps=warps, **pdl_launch_args(x.device),
             )
         return Fp8Rows(q, scales, x.dtype)
 

@@ -140,3 +140,31 @@ def test_step_kernels_smoke(tmp_path: Path) -> None:
     assert steps["decode"]["rows"] == 8
     assert steps["context"]["rows"] == 128  # 50 prompts capped to what --max-num-tokens holds: 4 x 32
     assert steps["decode"]["step_ms"] > 0 and steps["context"]["step_ms"] > 0
+
+
+def test_the_bandwidth_limit_counts_the_weight_bytes_an_engine_stores(tmp_path: Path) -> None:
+    """offline_throughput's batch-1 limit reads each weight at its stored width: an FP8 engine's
+    projections at 1 byte plus their scales, its 16-bit LM head and norms as they are, and a table
+    tied to the LM head once."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from model_shapes import SHAPES, engine_weight_bytes, shape_folder
+
+    from executor_svc.build_config import BuildConfig, QuantConfig
+    from executor_svc.builder import build_engine
+    from executor_svc.engine import RuntimeConfig, load_engine
+
+    c = SHAPES["tiny-host"]
+    h, i, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    projections = h * (q + 2 * kv) + q * h + 3 * h * i  # qkv, o, gate and up, down
+    rest = 2 * h + h + h * c["vocab_size"]  # two norms, the final norm, the (tied) LM head
+    folder = shape_folder("tiny-host", tmp_path)
+    measured = {}
+    for algo in ("none", "FP8"):
+        build = BuildConfig(max_batch_size=2, max_num_tokens=64, max_seq_len=128, tokens_per_block=16,
+                            quant_config=QuantConfig(quant_algo=algo))
+        build_engine(folder, tmp_path / algo, build, device="cpu", progress=False, load_format="dummy")
+        engine = load_engine(tmp_path / algo, RuntimeConfig(device="cpu", kv_cache_bytes=1 << 20))
+        measured[algo] = engine_weight_bytes(engine.model)
+    assert measured["none"] == (projections + rest) * 4  # float32 on the CPU
+    assert measured["FP8"] == projections + 4 * 4 + rest * 4  # four projections with one float32 scale each
