@@ -125,7 +125,8 @@ if triton is not None:
         """(BLOCK, SINGLE_PASS, num_warps) of the FP8-rows variant for rows of ``intermediate`` products."""
         row_block = triton.next_power_of_2(intermediate)
         if row_block <= SINGLE_PASS_COLUMNS:
-            # 32 warps at 16,384 columns: 6-7% faster than 16 and 8 at 1,024 and 8,064 rows on an H200.
+            # 32 warps at 16,384 columns: in a one-off timing on an H200 (Llama-3.1-8B's rows, bf16),
+            # 32.1 us at 1,024 rows and 187.9 at 8,064, against 34.0 and 201.7 with 16 warps.
             return row_block, True, min(32, max(4, row_block // 512))
         return BLOCK_COLUMNS, False, 4
 

@@ -44,11 +44,13 @@ def wants_fp8_rows(projection: object, rows: int) -> bool:
 def fp8_rows_variant(kernel: Callable, dtype: torch.dtype) -> Callable | None:
     """The variant of a norm or activation kernel that stores ``Fp8Rows`` of ``dtype`` rows, if it has one.
 
-    Only 16-bit rows are handed over by a variant. On an H200 the fused RMSNorm, given
-    float32 rows, now and then rounds a normalised value one float32 ulp away from what
-    the plain kernel stores, enough to move an E4M3 byte across a rounding boundary; in
-    16 bits the rounding of the row to 16 bits hides that, and the bytes match (GPU tests).
-    Float32 FP8 engines (reference checks) take the projection's own quantizer instead.
+    Only 16-bit rows are handed over by a variant. On an H200 the fused RMSNorm given
+    float32 rows stored, now and then, E4M3 bytes other than those of quantizing the
+    plain kernel's output (a float32 rounding difference inside the compiled kernel, not
+    located further), which moved a float32 FP8 engine's perplexity. With 16-bit rows,
+    rounded to 16 bits before they are quantized, neither the GPU tests nor scoring a
+    bfloat16 FP8 engine both ways found a difference. Float32 FP8 engines (reference
+    checks) take the projection's own quantizer instead.
     """
     if dtype not in (torch.float16, torch.bfloat16):
         return None
