@@ -1,11 +1,14 @@
-"""Fused Triton kernels against their torch references, kernel by kernel.
+"""Fused Triton kernels against their references, kernel by kernel.
 
 Times rope + KV-cache write, SwiGLU and RMSNorm + residual, torch reference
 vs Triton, at Llama-3.1-8B's shapes (hidden 4096, 32 heads, 8 KV heads, head
 dim 128, intermediate 14336) in bfloat16, for several token counts, and
 records the largest absolute difference of each Triton output from the
-reference's. On CUDA the time of one call is the median over CUDA events
-after a warm-up.
+reference's. The FP8-rows variants of SwiGLU and RMSNorm (``plugins/fp8_rows.py``)
+are timed against what an FP8 projection does without them: the plain Triton
+kernel, then its per-token quantization; their difference is that of the
+dequantized rows, 0 when the bytes and scales agree. On CUDA the time of one
+call is the median over CUDA events after a warm-up.
 
     python bench/fused_kernels.py --output bench/results/h200_fused_kernels.json
 
@@ -52,7 +55,8 @@ class Case:
     reference: Callable[[], object]
     fused: Callable[[], object]
     max_abs_diff: Callable[[], float]  # runs both once and compares their outputs
-    bytes_moved: int  # the least memory traffic of one call
+    bytes_moved: int  # the least memory traffic of one call (of the fused kernel)
+    reference_name: str = "torch"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -149,6 +153,62 @@ def rmsnorm_case(shapes: Shapes, tokens: int, dtype, device, gen) -> Case:
     )
 
 
+def activation_fp8_rows_case(shapes: Shapes, tokens: int, dtype, device, gen) -> Case:
+    """SwiGLU storing E4M3 rows and scales, against SwiGLU and then the projection's quantizer."""
+    import torch
+
+    from executor_svc.quantization.quantize import quantize_fp8_per_token
+    from plugins.activation_triton import act_and_mul_fp8_triton, act_and_mul_triton
+
+    x = torch.randn(tokens, 2 * shapes.intermediate, generator=gen).to(device, dtype)
+
+    def reference():
+        return quantize_fp8_per_token(act_and_mul_triton(x, "silu"))
+
+    def fused():
+        rows = act_and_mul_fp8_triton(x, "silu")
+        return rows.values, rows.scales
+
+    return Case(
+        name="swiglu_fp8_rows", tokens=tokens, reference=reference, fused=fused, reference_name="triton + quantize",
+        max_abs_diff=lambda: _dequantized_diff(reference(), fused()),
+        # read gate and up, write 1-byte rows and a float32 scale per row
+        bytes_moved=tokens * (2 * (torch.finfo(dtype).bits // 8) * shapes.intermediate + shapes.intermediate + 4),
+    )
+
+
+def rmsnorm_fp8_rows_case(shapes: Shapes, tokens: int, dtype, device, gen) -> Case:
+    """RMSNorm + residual storing E4M3 rows and scales, against the norm and then the projection's quantizer."""
+    import torch
+
+    from executor_svc.quantization.quantize import quantize_fp8_per_token
+    from plugins.norm_triton import rms_norm_fp8_triton, rms_norm_triton
+
+    x, residual = (torch.randn(tokens, shapes.hidden, generator=gen).to(device, dtype) for _ in range(2))
+    weight = torch.randn(shapes.hidden, generator=gen).to(device, dtype)
+
+    def reference():
+        return quantize_fp8_per_token(rms_norm_triton(x, weight, 1e-5, residual)[0])
+
+    def fused():
+        rows = rms_norm_fp8_triton(x, weight, 1e-5, residual)[0]
+        return rows.values, rows.scales
+
+    size = torch.finfo(dtype).bits // 8
+    return Case(
+        name="rmsnorm_fp8_rows", tokens=tokens, reference=reference, fused=fused, reference_name="triton + quantize",
+        max_abs_diff=lambda: _dequantized_diff(reference(), fused()),
+        # read x and residual, write the residual, 1-byte rows and a float32 scale per row
+        bytes_moved=tokens * (3 * size * shapes.hidden + shapes.hidden + 4) + size * shapes.hidden,
+    )
+
+
+def _dequantized_diff(a, b) -> float:
+    """Largest difference of two (E4M3 values, scales) pairs as the rows they stand for."""
+    (va, sa), (vb, sb) = a, b
+    return _max_abs_diff(va.float() * sa, vb.float() * sb)
+
+
 def _max_abs_diff(a, b) -> float:
     return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
 
@@ -170,19 +230,23 @@ def run(args: argparse.Namespace) -> dict:
             activation_case(shapes, tokens, dtype, device, gen),
             rmsnorm_case(shapes, tokens, dtype, device, gen),
         ]
+        if dtype != torch.float32:  # the FP8-rows variants serve 16-bit rows (plugins/fp8_rows.py)
+            cases += [activation_fp8_rows_case(shapes, tokens, dtype, device, gen),
+                      rmsnorm_fp8_rows_case(shapes, tokens, dtype, device, gen)]
         for case in cases:
             diff = case.max_abs_diff()
-            torch_us = time_us(case.reference, device, args.warmup, args.repeats)
+            reference_us = time_us(case.reference, device, args.warmup, args.repeats)
             triton_us = time_us(case.fused, device, args.warmup, args.repeats)
             row = {
-                "kernel": case.name, "tokens": tokens, "torch_us": round(torch_us, 2), "triton_us": round(triton_us, 2),
-                "speedup": round(torch_us / triton_us, 3), "max_abs_diff": diff, "bytes_moved": case.bytes_moved,
-                "torch_gb_per_s": round(case.bytes_moved / torch_us / 1e3, 1),
+                "kernel": case.name, "tokens": tokens, "reference": case.reference_name,
+                "reference_us": round(reference_us, 2), "triton_us": round(triton_us, 2),
+                "speedup": round(reference_us / triton_us, 3), "max_abs_diff": diff, "bytes_moved": case.bytes_moved,
                 "triton_gb_per_s": round(case.bytes_moved / triton_us / 1e3, 1),
             }
             results.append(row)
-            print(f"{case.name:18s} {tokens:6d} tokens  torch {torch_us:9.1f} us  triton {triton_us:9.1f} us  "
-                  f"x{row['speedup']:<6.2f} {row['triton_gb_per_s']:8.1f} GB/s  max|diff| {diff:.3g}", file=sys.stderr)
+            print(f"{case.name:18s} {tokens:6d} tokens  {case.reference_name} {reference_us:9.1f} us  "
+                  f"triton {triton_us:9.1f} us  x{row['speedup']:<6.2f} {row['triton_gb_per_s']:8.1f} GB/s  "
+                  f"max|diff| {diff:.3g}", file=sys.stderr)
     return {
         "shapes": asdict(shapes), "dtype": args.dtype, "triton": triton.__version__,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",

@@ -168,3 +168,18 @@ def test_the_bandwidth_limit_counts_the_weight_bytes_an_engine_stores(tmp_path: 
         measured[algo] = engine_weight_bytes(engine.model)
     assert measured["none"] == (projections + rest) * 4  # float32 on the CPU
     assert measured["FP8"] == projections + 4 * 4 + rest * 4  # four projections with one float32 scale each
+
+
+@pytest.mark.timeout(170)
+def test_fused_kernels_smoke_times_the_fp8_rows_variants_against_two_kernels(tmp_path: Path) -> None:
+    """bench/fused_kernels.py through Triton's interpreter: every kernel has a row, and the FP8-rows
+    variants store the rows that the plain kernel and the projection's quantizer make."""
+    out = tmp_path / "fused.json"
+    cmd = [sys.executable, str(REPO / "bench" / "fused_kernels.py"), "--device", "cpu", "--small", "--dtype", "float16",
+           "--tokens", "3", "--warmup", "0", "--repeats", "1", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=160)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    rows = {row["kernel"]: row for row in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"rope_write_kv", "swiglu", "rmsnorm_residual", "swiglu_fp8_rows", "rmsnorm_fp8_rows"}
+    for name in ("swiglu_fp8_rows", "rmsnorm_fp8_rows"):
+        assert rows[name]["reference"] == "triton + quantize" and rows[name]["max_abs_diff"] == 0.0
