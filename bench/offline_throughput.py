@@ -182,6 +182,9 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         if timeline is not None:
             result_["gpu_timeline_full_batch"] = timeline.summary(min_requests=engine.max_batch_size)
             result_["gpu_timeline_all_steps"] = timeline.summary()
+            result_["gpu_timeline_by_kind"] = timeline.by_kind()
+            # [requests, tokens, busy us, idle us before it] per step: where the ramp and the tail idle
+            result_["gpu_timeline_steps"] = timeline.trace()
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")  # keep what is measured so far
         log(f"{label} {in_len}/{out_len}: {result_['output_tokens_per_s']:.0f} output tok/s" + (
             f", GPU idle {result_['gpu_timeline_full_batch']['idle_fraction']:.1%} of full-batch steps"

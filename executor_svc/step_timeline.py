@@ -59,13 +59,29 @@ class StepTimeline:
 
     def summary(self, min_requests: int = 1) -> dict:
         """Busy/idle totals over recorded steps with at least ``min_requests`` requests."""
-        chosen = [s for s in self.steps if s.num_requests >= min_requests]
-        busy = sum(s.busy_us for s in chosen)
-        idle = sum(s.idle_before_us for s in chosen)
+        return summarize([s for s in self.steps if s.num_requests >= min_requests])
+
+    def by_kind(self) -> dict[str, dict]:
+        """``summary`` of the steps where every request computed one token (plain decoding) and of
+        the others (prompt tokens, or drafts to verify): where the idle time sits."""
         return {
-            "steps": len(chosen),
-            "busy_ms": busy / 1e3,
-            "idle_ms": idle / 1e3,
-            "idle_fraction": idle / (busy + idle) if busy + idle else None,
-            "mean_step_ms": busy / len(chosen) / 1e3 if chosen else None,
+            "one_token_per_request": summarize([s for s in self.steps if s.num_tokens <= s.num_requests]),
+            "more_tokens": summarize([s for s in self.steps if s.num_tokens > s.num_requests]),
         }
+
+    def trace(self) -> list[list[int]]:
+        """Every recorded step in order: [requests, tokens, busy us, idle us before it]."""
+        return [[s.num_requests, s.num_tokens, round(s.busy_us), round(s.idle_before_us)] for s in self.steps]
+
+
+def summarize(steps: list[StepTiming]) -> dict:
+    """Busy/idle totals of ``steps`` (milliseconds), the idle share and the mean step."""
+    busy = sum(s.busy_us for s in steps)
+    idle = sum(s.idle_before_us for s in steps)
+    return {
+        "steps": len(steps),
+        "busy_ms": busy / 1e3,
+        "idle_ms": idle / 1e3,
+        "idle_fraction": idle / (busy + idle) if busy + idle else None,
+        "mean_step_ms": busy / len(steps) / 1e3 if steps else None,
+    }
