@@ -157,17 +157,16 @@ def activation_fp8_rows_case(shapes: Shapes, tokens: int, dtype, device, gen) ->
     """SwiGLU storing E4M3 rows and scales, against SwiGLU and then the projection's quantizer."""
     import torch
 
-    from executor_svc.quantization.quantize import quantize_fp8_per_token
+    from executor_svc.model.llama import as_fp8_rows
     from plugins.activation_triton import act_and_mul_fp8_triton, act_and_mul_triton
 
     x = torch.randn(tokens, 2 * shapes.intermediate, generator=gen).to(device, dtype)
 
-    def reference():
-        return quantize_fp8_per_token(act_and_mul_triton(x, "silu"))
+    def reference():  # what the model does for a kernel without the variant
+        return as_fp8_rows(act_and_mul_triton(x, "silu"))
 
     def fused():
-        rows = act_and_mul_fp8_triton(x, "silu")
-        return rows.values, rows.scales
+        return act_and_mul_fp8_triton(x, "silu")
 
     return Case(
         name="swiglu_fp8_rows", tokens=tokens, reference=reference, fused=fused, reference_name="triton + quantize",
@@ -181,18 +180,17 @@ def rmsnorm_fp8_rows_case(shapes: Shapes, tokens: int, dtype, device, gen) -> Ca
     """RMSNorm + residual storing E4M3 rows and scales, against the norm and then the projection's quantizer."""
     import torch
 
-    from executor_svc.quantization.quantize import quantize_fp8_per_token
+    from executor_svc.model.llama import as_fp8_rows
     from plugins.norm_triton import rms_norm_fp8_triton, rms_norm_triton
 
     x, residual = (torch.randn(tokens, shapes.hidden, generator=gen).to(device, dtype) for _ in range(2))
     weight = torch.randn(shapes.hidden, generator=gen).to(device, dtype)
 
-    def reference():
-        return quantize_fp8_per_token(rms_norm_triton(x, weight, 1e-5, residual)[0])
+    def reference():  # what the model does for a kernel without the variant
+        return as_fp8_rows(rms_norm_triton(x, weight, 1e-5, residual)[0])
 
     def fused():
-        rows = rms_norm_fp8_triton(x, weight, 1e-5, residual)[0]
-        return rows.values, rows.scales
+        return rms_norm_fp8_triton(x, weight, 1e-5, residual)[0]
 
     size = torch.finfo(dtype).bits // 8
     return Case(
@@ -204,9 +202,8 @@ def rmsnorm_fp8_rows_case(shapes: Shapes, tokens: int, dtype, device, gen) -> Ca
 
 
 def _dequantized_diff(a, b) -> float:
-    """Largest difference of two (E4M3 values, scales) pairs as the rows they stand for."""
-    (va, sa), (vb, sb) = a, b
-    return _max_abs_diff(va.float() * sa, vb.float() * sb)
+    """Largest difference of two ``Fp8Rows`` as the rows they stand for."""
+    return _max_abs_diff(a.values.float() * a.scales, b.values.float() * b.scales)
 
 
 def _max_abs_diff(a, b) -> float:

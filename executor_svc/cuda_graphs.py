@@ -16,9 +16,10 @@ Every graph writes its logits into one static float32 buffer of the largest
 bucket's rows. A graph's own outputs stay allocated as long as the graph does,
 so per-graph logits would add up over all buckets: about 9 GB for a
 128k-token vocabulary at a batch size of 1,024 and 34 GB at 2,048, against the
-14 GB an H200 keeps beside the KV cache at the default ``kv_cache_fraction``. The price is that a replay of any graph
-overwrites the logits of the one before, which every caller reads (or queues
-its reads of) before the next replay anyway.
+14 GB an H200 keeps beside the KV cache at the default ``kv_cache_fraction``.
+The price is that a replay of any graph overwrites the logits of the one
+before, which every caller reads (or queues its reads of) before the next
+replay anyway.
 
 Graphs are keyed by the block-table width too, because attention's work (and
 the split count of the decode kernel) follows the table's width: one graph for

@@ -10,9 +10,10 @@ interpreter (TRITON_INTERPRET=1) on small shapes.
 
 Its FP8-rows variant (``act_and_mul_fp8_triton``, see ``plugins/fp8_rows.py``)
 stores the product quantized per token for the FP8 down projection: one
-program per row walks the row twice, once for its maximum and once to store
-E4M3 values (the second walk recomputes the product from inputs that L2 still
-holds). Each product is rounded to the model dtype first, so the bytes and the
+program per row holds the whole row in registers (up to ``SINGLE_PASS_COLUMNS``),
+takes its maximum and stores E4M3 values, so gate and up are read once; a wider
+row is walked twice, once for its maximum and once to store, recomputing the
+product. Each product is rounded to the model dtype first, so the bytes and the
 scale equal what the projection's own quantizer makes of the 16-bit output.
 """
 
