@@ -8,7 +8,9 @@ the weights minus a reserve of ``1 - kv_cache_fraction`` of the card for
 activations (vLLM's gpu_memory_utilization idea). An engine built with
 ``kv_cache_quant_algo`` FP8 or INT8 stores the cache in 1-byte elements (twice
 the tokens for the same budget) and gets each layer's KV scales from its
-manifest.
+manifest. On a GPU the largest prompt step runs once before the engine is
+returned (``warm_up.py``), so the first batch of prompts does not pay for
+kernel compilation and allocator growth.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK
 from executor_svc.quantization.kv_cache import apply_kv_cache_scales, kv_cache_dtype
 from executor_svc.quantization.records import KVCacheQuant
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+from executor_svc.warm_up import warm_up_prompt_step
 from kvcache.layout import KVCacheLayout
 
 log = logging.getLogger("inflight.executor")
@@ -48,6 +51,7 @@ class RuntimeConfig:
     cuda_graphs: bool = True  # capture generation steps on a GPU; False = always eager
     host_cache_bytes: int = 0  # host-memory tier of the KV cache (pinned on a GPU); 0 = none
     num_kv_blocks: int = 0  # > 0: exactly this many blocks, whatever the budget says
+    warm_up: bool = True  # on a GPU, run the largest prompt step once at load (executor_svc/warm_up.py)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
@@ -161,6 +165,8 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
     engine.kv_offload = KVOffload(kv_cache, num_blocks, KVOffload.blocks_for_budget(layout, runtime.host_cache_bytes))
     if device.type == "cuda" and runtime.cuda_graphs:
         engine.decode_graphs = capture_graphs(engine, tree_masks=runtime.speculative.draft_tree is not None)
+    if device.type == "cuda" and runtime.warm_up:
+        warm_up_prompt_step(engine)
     if draft is not None:
         if draft.tokens_per_block != engine.tokens_per_block:
             raise ValueError(
@@ -215,7 +221,7 @@ def _load_draft(runtime: RuntimeConfig) -> Engine:
     draft_dir = Path(runtime.speculative.draft_engine_dir)
     manifest = read_manifest(draft_dir)
     min_blocks = -(-manifest.max_seq_len // manifest.build_config.tokens_per_block)
-    return load_engine(draft_dir, RuntimeConfig(device=runtime.device, num_kv_blocks=min_blocks, cuda_graphs=False))
+    return load_engine(draft_dir, RuntimeConfig(device=runtime.device, num_kv_blocks=min_blocks, cuda_graphs=False, warm_up=False))
 
 
 def _default_kv_budget(device: torch.device, fraction: float) -> int:

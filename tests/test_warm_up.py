@@ -1,0 +1,35 @@
+"""The prompt-step warm-up at load: it runs the step it promises and leaves nothing behind that a request sees."""
+
+from __future__ import annotations
+
+import asyncio
+
+from executor_svc.warm_up import PROMPT_TOKENS, warm_up_prompt_step
+from scheduler_svc.api_types import GenerationRequest
+from tests.conftest import MAX_NEW_TOKENS, PROMPTS, run_async
+
+
+def test_warm_up_runs_whole_prompts_within_the_token_budget(engine):
+    assert warm_up_prompt_step(engine, max_tokens=2 * PROMPT_TOKENS + 5) == 2 * PROMPT_TOKENS
+    assert warm_up_prompt_step(engine, max_tokens=1) == PROMPT_TOKENS  # at least one prompt
+
+
+def test_requests_after_a_warm_up_match_hf(engine, make_async_engine, hf_reference):
+    """The warm-up writes KV entries into blocks that requests get later: they must not leak into outputs."""
+    warm_up_prompt_step(engine, max_tokens=4 * PROMPT_TOKENS)
+
+    async def run():
+        async_engine = await make_async_engine()
+        try:
+            async def one(prompt: str) -> list[int]:
+                ids: list[int] = []
+                request = GenerationRequest(text=prompt, temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+                async for chunk in async_engine.generate(request):
+                    ids += chunk.token_ids
+                return ids
+
+            return await asyncio.gather(*(one(p) for p in PROMPTS))
+        finally:
+            await async_engine.stop()
+
+    assert run_async(run()) == hf_reference
