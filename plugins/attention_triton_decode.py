@@ -66,6 +66,11 @@ def decode_tiles(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None
     attention shape, 16 to 1024 requests, 192 to 3072 cached tokens): two stages
     beat three for a 16-bit cache at every size, and a 1-byte cache, half the
     bytes per tile, wants two warps (four left it no faster than the 16-bit cache).
+    Two other layouts of the work lost to this one on the same sweep: loading the
+    next K/V tile into registers an iteration ahead (Triton's own pipelining
+    already overlaps the loads), and one program walking 2 to 8 KV heads of a row
+    in one flattened loop (fewer programs and block-table reads, but 255
+    registers per thread: 20-25% slower for a 1-byte cache at 1,024 rows).
     """
     if dtype == torch.float32 and head_dim > 128:
         return DecodeTiles(block_n=16, num_warps=8, num_stages=2, min_split_tokens=64)
