@@ -45,8 +45,15 @@ def warm_up_prompt_step(engine, max_tokens: int | None = None) -> int:
     vocab = engine.manifest.model.vocab_size
     tokens = [(7919 * i + 13) % vocab for i in range(packed.num_tokens)]
     started = time.perf_counter()
-    run_packed(engine.model, engine.kv_cache, None, packed, tokens, [(i + 1) * prompt - 1 for i in range(count)])
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
+    try:
+        run_packed(engine.model, engine.kv_cache, None, packed, tokens, [(i + 1) * prompt - 1 for i in range(count)])
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+    except torch.cuda.OutOfMemoryError as exc:  # what the first full prompt step would hit while serving
+        raise RuntimeError(
+            f"a step of {packed.num_tokens} prompt tokens (max_num_tokens {engine.max_num_tokens}) does not fit "
+            "in the memory left beside the KV cache: give the KV cache less (--kv-cache-fraction, --kv-cache-gb) "
+            "or build with a smaller max_num_tokens"
+        ) from exc
     log.info("warmed the prompt path: %d prompts of %d tokens in %.2f s", count, prompt, time.perf_counter() - started)
     return packed.num_tokens

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+import torch
+
+import executor_svc.warm_up as warm_up
 from executor_svc.warm_up import PROMPT_TOKENS, warm_up_prompt_step
 from scheduler_svc.api_types import GenerationRequest
 from tests.conftest import MAX_NEW_TOKENS, PROMPTS, run_async
@@ -33,3 +37,12 @@ def test_requests_after_a_warm_up_match_hf(engine, make_async_engine, hf_referen
             await async_engine.stop()
 
     assert run_async(run()) == hf_reference
+
+
+def test_a_warm_up_that_runs_out_of_memory_says_what_to_change(engine, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(warm_up, "run_packed", out_of_memory)
+    with pytest.raises(RuntimeError, match="max_num_tokens .*--kv-cache-fraction"):
+        warm_up_prompt_step(engine, max_tokens=PROMPT_TOKENS)
