@@ -1,11 +1,11 @@
 """Running an engine's largest prompt step once at load, before any request.
 
 CUDA graphs cover generation steps, but a step full of prompt tokens runs
-eagerly, and its first run pays one-off costs: Triton compiles the context
-kernels for their shapes, cuBLAS picks its kernels for that many rows, and
-the caching allocator grows to hold the step's activations. On an H200 the
-first 8,192-token step of Llama-3.1-8B FP8 took about a second instead of
-0.1 s. vLLM pays the same at start-up with a dummy run of max_num_tokens
+eagerly, and the first run of such a step pays one-off costs: Triton
+compiling the context kernels for their shapes, cuBLAS choosing kernels for
+that many rows, the caching allocator growing to hold the activations. On an
+H200 the first 8,192-token step of Llama-3.1-8B FP8 took about a second
+instead of 0.1 s. vLLM pays the same at start-up with a dummy run of max_num_tokens
 tokens; here the warm-up packs the step the way a batch of prompts arrives.
 
 The warm-up writes KV entries into the pool's first blocks, which no
@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from executor_svc.packed_forward import Segment, pack, run_packed
+
+if TYPE_CHECKING:
+    from executor_svc.engine import Engine
 
 log = logging.getLogger(__name__)
 
 PROMPT_TOKENS = 128  # tokens per warm-up prompt: a common prompt length, and many chunks per step
 
 
-def warm_up_prompt_step(engine, max_tokens: int | None = None) -> int:
+def warm_up_prompt_step(engine: Engine, max_tokens: int | None = None) -> int:
     """Run one eager forward of up to ``max_tokens`` (default: the engine's max_num_tokens) prompt tokens,
     packed as prompts of ``PROMPT_TOKENS``, and the LM head of their last tokens. Returns the tokens run."""
     block = engine.tokens_per_block
