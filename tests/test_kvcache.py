@@ -244,3 +244,38 @@ def test_allocate_slots_grows_only_past_the_last_block_and_cache_reports_registe
     assert kv.cache_computed_blocks("a", hashes, 10, tokens) == 2
     assert kv.cache_computed_blocks("missing", hashes, 10, tokens) == 0
     assert not kv.check_consistency()
+
+
+def test_miss_explainer_keeps_siblings_apart_and_adds_no_tracked_objects():
+    """Blocks after the same parent share a sibling entry; dropping one keeps the others; the records are
+    plain tuples, which the garbage collector stops tracking (no per-block cost in a full collection)."""
+    import gc
+
+    from kvcache.reuse_stats import MissedBlock, MissExplainer
+
+    def block(name: str, tokens: list[int], parent: bytes = b"p") -> MissedBlock:
+        return MissedBlock(name.encode(), name.encode() + b"-content", parent, tokens)
+
+    explainer = MissExplainer(max_evicted=4)
+    explainer.cached(block("a", [1, 2, 3, 4]))
+    explainer.cached(block("b", [1, 2, 9, 9]))
+    probe = block("c", [1, 2, 3, 7])
+    out = NotReusedTokens()
+    explainer.explain(probe, 4, out)
+    assert out.prefix_shorter_than_block == 3  # shares three tokens with "a"
+    explainer.dropped(b"a")
+    out = NotReusedTokens()
+    explainer.explain(probe, 4, out)
+    assert out.prefix_shorter_than_block == 2  # "b" is still there
+    explainer.dropped(b"b")
+    out = NotReusedTokens()
+    explainer.explain(probe, 4, out)
+    assert out == NotReusedTokens(not_cached=4)
+    assert not explainer._siblings  # the last sibling took its key with it
+
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(5000):
+        explainer.cached(block(f"x{i}", list(range(i, i + 16)), parent=bytes([i % 7])))
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
