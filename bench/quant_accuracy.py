@@ -16,7 +16,8 @@ and AWQ within +0.5; an FP8 or INT8 KV cache (alone, or with FP8 weights)
 within +0.1 of the engine without it. A KV-cache mode's perplexity is measured
 through its 1-byte cache (the prompt's keys and values are quantized as they
 are written and read back by attention), and its greedy decoding reads them
-back at every step.
+back at every step. The *_GPTQ modes are the same formats, with GPTQ choosing
+each weight's grid point instead of round-to-nearest.
 """
 
 from __future__ import annotations
@@ -58,10 +59,16 @@ MODES = {
     "FP8_KV": {"quant_algo": "none", "kv_cache_quant_algo": "FP8"},
     "INT8_KV": {"quant_algo": "none", "kv_cache_quant_algo": "INT8"},
     "FP8+FP8_KV": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
+    # The same formats with GPTQ choosing each weight's grid point (executor_svc/quantization/gptq.py).
+    "W4A16_GPTQ": {"quant_algo": "W4A16_AWQ", "awq_grid_size": 1, "weight_rounding": "gptq"},
+    "W4A16_AWQ_GPTQ": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq"},
+    "FP8_GPTQ": {"quant_algo": "FP8", "weight_rounding": "gptq"},
+    "FP8_GPTQ+FP8_KV": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "weight_rounding": "gptq"},
 }
 TARGETS = {
     "W8A16": 0.1, "FP8": 0.1, "FP8_STATIC": 0.1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN": 0.5, "W4A16_AWQ": 0.5,
     "W4A16_RTN": 0.5, "FP8_KV": 0.1, "INT8_KV": 0.1, "FP8+FP8_KV": 0.1,
+    "W4A16_GPTQ": 0.5, "W4A16_AWQ_GPTQ": 0.5, "FP8_GPTQ": 0.1, "FP8_GPTQ+FP8_KV": 0.1,
 }
 
 

@@ -25,6 +25,7 @@ GROUP_SIZES = (32, 64, 128)
 # Embeddings are never quantized (they are lookups, not GEMMs); lm_head is
 # where a small error shifts every logit, so both stay in high precision.
 DEFAULT_EXCLUDE_MODULES = ("embed_tokens", "lm_head")
+WEIGHT_ROUNDINGS = ("nearest", "gptq")
 
 
 class BuildConfigError(ValueError):
@@ -47,6 +48,10 @@ class QuantConfig:
     calib_size: int = 64  # calibration texts
     calib_max_tokens: int = 512  # tokens kept per calibration text
     awq_grid_size: int = 20  # alpha values tried by the AWQ scale search (and half as many clip factors)
+    # How weights take their grid points once the format's scales are set: "nearest", or "gptq"
+    # (each rounding error compensated on the channels not yet rounded; needs calibration).
+    weight_rounding: str = "nearest"
+    gptq_damp: float = 0.01  # added to the GPTQ Hessian's diagonal, as a fraction of its mean
 
     @property
     def quant_mode(self) -> QuantMode:
@@ -66,7 +71,7 @@ class QuantConfig:
         (A quantized KV cache is always calibrated too, for its scales.)
         """
         mode = self.quant_mode
-        return QuantMode.AWQ in mode or QuantMode.SMOOTHQUANT in mode or (
+        return QuantMode.AWQ in mode or QuantMode.SMOOTHQUANT in mode or self.weight_rounding == "gptq" or (
             QuantMode.FP8_WEIGHTS in mode and self.activation_scheme == "static"
         )
 
@@ -94,6 +99,12 @@ class QuantConfig:
             raise BuildConfigError(
                 f"group_size must be one of {GROUP_SIZES} for {self.quant_algo}, got {self.group_size}"
             )
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise BuildConfigError(f"weight_rounding {self.weight_rounding!r} is not one of {WEIGHT_ROUNDINGS}")
+        if self.weight_rounding == "gptq" and not mode.quantizes_weights:
+            raise BuildConfigError("weight_rounding 'gptq' rounds quantized weights; set a weight quant_algo")
+        if not 0.0 < self.gptq_damp <= 1.0:
+            raise BuildConfigError(f"gptq_damp must be in (0, 1], got {self.gptq_damp}")
         if not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise BuildConfigError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
         for name in ("calib_size", "awq_grid_size"):

@@ -121,6 +121,8 @@ def _check_quantization_request(build: BuildConfig, load_format: str, validation
         raise BuildConfigError("--validate measures perplexity, which random weights (--load-format dummy) lack")
     if load_format == "dummy" and build.quant_config.activation_scheme == "static":
         raise BuildConfigError("static FP8 activation scales need calibration, which random weights cannot give")
+    if load_format == "dummy" and build.quant_config.weight_rounding == "gptq":
+        raise BuildConfigError("GPTQ rounding needs calibration, which random weights cannot give")
 
 
 def engine_cache_key(checkpoint: Path, build: BuildConfig, device: str, load_format: str) -> str:

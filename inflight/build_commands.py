@@ -34,6 +34,11 @@ def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--awq-grid-size", type=int, default=QUANT_DEFAULTS.awq_grid_size, help="AWQ: alpha values tried")
     g.add_argument("--smoothquant-alpha", type=float, default=QUANT_DEFAULTS.smoothquant_alpha, help="SQ strength")
     g.add_argument(
+        "--weight-rounding", default=QUANT_DEFAULTS.weight_rounding, choices=["nearest", "gptq"],
+        help="how weights take their grid points: nearest, or GPTQ (error-compensating, calibrated; slower build)",
+    )
+    g.add_argument("--gptq-damp", type=float, default=QUANT_DEFAULTS.gptq_damp, help="GPTQ: Hessian damping")
+    g.add_argument(
         "--activation-scheme", default=QUANT_DEFAULTS.activation_scheme, choices=["dynamic", "static"],
         help="FP8 activation scales: per token at run time, or one per tensor from calibration",
     )
@@ -54,6 +59,7 @@ def quant_build_from_args(args: argparse.Namespace, build: BuildConfig) -> Build
         build.quant_config, calib_data=args.calib_data, calib_size=args.calib_size,
         calib_max_tokens=args.calib_max_tokens, group_size=args.group_size, awq_grid_size=args.awq_grid_size,
         smoothquant_alpha=args.smoothquant_alpha, activation_scheme=args.activation_scheme,
+        weight_rounding=args.weight_rounding, gptq_damp=args.gptq_damp,
         exclude_modules=[p.strip() for p in args.exclude_modules.split(",") if p.strip()],
     )
     return dataclasses.replace(build, quant_config=quant)
@@ -156,8 +162,8 @@ def _quant_line(manifest: EngineManifest) -> str:
     quantized = sum(1 for layer in record.layers if layer.algo != "none")
     return (
         f"quant       {q.quant_algo} [{'|'.join(record.quant_mode_flags)}]: {quantized} of {len(record.layers)} Linear "
-        f"layers quantized, kept in {manifest.dtype}: {', '.join(q.exclude_modules) or 'none'} "
-        f"(kv cache: {q.kv_cache_quant_algo})"
+        f"layers quantized ({q.weight_rounding} rounding), kept in {manifest.dtype}: "
+        f"{', '.join(q.exclude_modules) or 'none'} (kv cache: {q.kv_cache_quant_algo})"
     )
 
 

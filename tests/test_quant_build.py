@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from executor_svc.build_config import BuildConfig, QuantConfig
+from executor_svc.build_config import BuildConfig, BuildConfigError, QuantConfig
 from executor_svc.builder import build_engine
 from executor_svc.engine import RuntimeConfig, load_engine
 from executor_svc.engine_file import WEIGHTS_NAME, read_manifest
@@ -31,6 +31,8 @@ MODES = {
     "SQ": ({"quant_algo": SQ}, SmoothQuantLinear, "qweight", torch.int8),
     "FP8": ({"quant_algo": "FP8"}, Fp8Linear, "weight", torch.float8_e4m3fn),
     "FP8_STATIC": ({"quant_algo": "FP8", "activation_scheme": "static"}, Fp8Linear, "weight", torch.float8_e4m3fn),
+    "FP8_GPTQ": ({"quant_algo": "FP8", "weight_rounding": "gptq"}, Fp8Linear, "weight", torch.float8_e4m3fn),
+    "W4A16_AWQ_GPTQ": ({"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq"}, Int4AWQLinear, "qweight", torch.uint8),
 }
 
 
@@ -120,6 +122,27 @@ def test_smoothquant_folds_into_norms_and_awq_records_its_search(engines):
     assert awq.calibration.num_texts == 2 and awq.calibration.num_tokens > 40
     gate_up = awq.layer("layers.0.gate_up_proj")
     assert "AWQ alpha" in gate_up.note and "clipped" in gate_up.note and gate_up.group_size == 128
+
+
+@pytest.mark.parametrize("label", ["FP8_GPTQ", "W4A16_AWQ_GPTQ"])
+def test_gptq_builds_record_the_output_error_they_saved(engines, label):
+    record = read_manifest(engines(label)).quantization
+    ratios = []
+    for layer in record.layers:
+        if layer.algo == "none":
+            continue
+        assert "GPTQ: output error" in layer.note, layer.note
+        ratios.append(float(layer.note.split("GPTQ: output error ")[1].split("x")[0]))
+    assert len(ratios) == 4 * 30 and sum(ratios) / len(ratios) < 1.0  # less calibration error than nearest
+    if label == "W4A16_AWQ_GPTQ":  # GPTQ rounds on AWQ's scaled and clipped grid
+        assert "AWQ alpha" in record.layer("layers.0.gate_up_proj").note
+
+
+def test_gptq_on_random_weights_is_rejected(model_dir, tmp_path):
+    config = _build_config(quant_algo="FP8", weight_rounding="gptq")
+    with pytest.raises(BuildConfigError, match="GPTQ rounding needs calibration"):
+        build_engine(model_dir, tmp_path / "dummy", config, device=TEST_DEVICE, load_format="dummy", progress=False)
+    assert not (tmp_path / "dummy").exists()
 
 
 def test_cli_build_validate_then_inspect_shows_each_layer(model_dir, tmp_path, capsys):

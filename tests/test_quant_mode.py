@@ -74,6 +74,9 @@ def test_invalid_combinations_are_rejected(mode, message):
     (QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", smoothquant_alpha=1.5), "smoothquant_alpha"),
     (QuantConfig("W4A16_AWQ", calib_size=0), "calib_size must be positive"),
     (QuantConfig("W4A16_AWQ", exclude_modules=[""]), "exclude_modules"),
+    (QuantConfig("W8A16", weight_rounding="stochastic"), "weight_rounding 'stochastic' is not one of"),
+    (QuantConfig(kv_cache_quant_algo="FP8", weight_rounding="gptq"), "'gptq' rounds quantized weights"),
+    (QuantConfig("FP8", weight_rounding="gptq", gptq_damp=0.0), "gptq_damp must be in"),
 ])
 def test_build_config_rejects_bad_quant_settings(quant, message):
     with pytest.raises(BuildConfigError, match=message):

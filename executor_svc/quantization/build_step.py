@@ -3,7 +3,7 @@
 Runs on the loaded unquantized model (in the engine's dtype), in place:
 
 1. plan: which Linear gets what (exclude_modules keeps some in high precision);
-2. calibrate (AWQ, SmoothQuant, static FP8, and an FP8 / INT8 KV cache): run
+2. calibrate (AWQ, SmoothQuant, static FP8, GPTQ, and an FP8 / INT8 KV cache): run
    the model over calibration texts and record each planned layer's input
    statistics, and each decoder layer's largest key and value: the KV-cache scales;
 3. with ``--validate``: the unquantized model's perplexity on held-out texts;
@@ -85,7 +85,10 @@ def quantize_for_build(
         token_lists = encode_texts(checkpoint, texts, min(config.calib_max_tokens, max_seq_len))
         samples = AWQ_SAMPLE_ROWS if QuantMode.AWQ in mode else 0
         hooked = planned if calibrate_weights else {}
-        stats = calibrate(runner, hooked, token_lists, samples, progress, kv_cache=mode.has_kv_cache_quant)
+        stats = calibrate(
+            runner, hooked, token_lists, samples, progress, kv_cache=mode.has_kv_cache_quant,
+            hessians=config.weight_rounding == "gptq",
+        )
         seconds = round(time.perf_counter() - started, 2)
         record.calibration = CalibrationReport(corpus, stats.num_texts, stats.num_tokens, seconds)
         if stats.kv_amax is not None:
@@ -100,7 +103,7 @@ def quantize_for_build(
     held_out = encode_texts(checkpoint, texts, min(validation.max_tokens, max_seq_len))
     baseline, num_tokens = perplexity(runner, held_out, "perplexity (unquantized)", progress)
     quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)
-    del stats  # the AWQ samples are the largest thing calibration keeps
+    del stats  # the AWQ samples and GPTQ Hessians are the largest things calibration keeps
     quantized = baseline
     if planned or record.kv_cache is not None:
         if record.kv_cache is not None:  # score through the engine's own cache: quantized on write, read back

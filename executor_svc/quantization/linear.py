@@ -9,6 +9,9 @@ empty buffers of the right shape and dtype (what loading an engine needs);
 ``pre_quant_scale`` (optional, [in]) multiplies the input before the GEMM:
 AWQ's per-input-channel scale, or SmoothQuant's 1/s on a layer that has no
 norm in front of it to fold s into.
+
+``rounding`` (optional, in ``from_float``) picks each weight's grid point once
+the format's scales are fixed: GPTQ (``gptq.py``) instead of round-to-nearest.
 """
 
 from __future__ import annotations
@@ -18,13 +21,24 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from executor_svc.quantization.gptq import ColumnGrid, fp8_tensor_grid, int4_group_grid, int8_channel_grid
 from executor_svc.quantization.quantize import (
-    FP8_DTYPE, GROUP_SCALE_DTYPE, num_groups, quantize_fp8_per_tensor, quantize_fp8_per_token, quantize_fp8_static,
-    quantize_int4_groupwise, quantize_int8_per_channel, quantize_int8_per_token,
+    FP8_DTYPE, GROUP_SCALE_DTYPE, fp8_tensor_scale, int4_group_params, int8_channel_scales, num_groups,
+    quantize_fp8_per_tensor, quantize_fp8_per_token, quantize_fp8_static, quantize_int4_groupwise,
+    quantize_int8_per_channel, quantize_int8_per_token,
 )
 from plugins.fp8_rows import Fp8Rows
 
 Kernel = Callable[..., torch.Tensor]
+# (float weight [out, in], the format's grid) -> the weight with every value on that grid
+WeightRounding = Callable[[torch.Tensor, ColumnGrid], torch.Tensor]
+
+
+def _int8_per_channel(weight: torch.Tensor, rounding: WeightRounding | None) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = int8_channel_scales(weight)
+    if rounding is not None:
+        weight = rounding(weight.float(), int8_channel_grid(scales))
+    return quantize_int8_per_channel(weight, scales)
 
 
 class _QuantLinear(nn.Module):
@@ -48,9 +62,11 @@ class Int8WeightOnlyLinear(_QuantLinear):
         self.register_buffer("scales", torch.empty(out_features, dtype=torch.float32))
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, kernel: Kernel) -> Int8WeightOnlyLinear:
+    def from_float(
+        cls, weight: torch.Tensor, kernel: Kernel, rounding: WeightRounding | None = None
+    ) -> Int8WeightOnlyLinear:
         module = cls(weight.shape[1], weight.shape[0], kernel).to(weight.device)
-        module.qweight, module.scales = quantize_int8_per_channel(weight)
+        module.qweight, module.scales = _int8_per_channel(weight, rounding)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,14 +90,17 @@ class Int4AWQLinear(_QuantLinear):
     @classmethod
     def from_float(
         cls, weight: torch.Tensor, kernel: Kernel, group_size: int, input_scale: torch.Tensor | None = None,
-        clip: torch.Tensor | None = None,
+        clip: torch.Tensor | None = None, rounding: WeightRounding | None = None,
     ) -> Int4AWQLinear:
         """Quantize ``weight * input_scale`` (per input channel; the module divides x by it at run time),
         with each group's range shrunk by ``clip`` ([out, groups]) when given."""
         module = cls(weight.shape[1], weight.shape[0], kernel, group_size).to(weight.device)
         s = torch.ones(weight.shape[1], device=weight.device) if input_scale is None else input_scale.float()
         scaled = weight.float() * s[None, :]
-        module.qweight, module.scales, module.zeros = quantize_int4_groupwise(scaled, group_size, clip)
+        params = int4_group_params(scaled, group_size, clip)
+        if rounding is not None:
+            scaled = rounding(scaled, int4_group_grid(*params, group_size))
+        module.qweight, module.scales, module.zeros = quantize_int4_groupwise(scaled, group_size, params=params)
         module.pre_quant_scale = 1.0 / s
         return module
 
@@ -99,13 +118,14 @@ class SmoothQuantLinear(_QuantLinear):
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, kernel: Kernel, smoothing: torch.Tensor | None = None
+        cls, weight: torch.Tensor, kernel: Kernel, smoothing: torch.Tensor | None = None,
+        rounding: WeightRounding | None = None,
     ) -> SmoothQuantLinear:
         """``smoothing`` (s per input channel) is multiplied into the weight and divided out of x here;
         None when s was already folded into the weight and the norm in front."""
         module = cls(weight.shape[1], weight.shape[0], kernel, pre_quant_scale=smoothing is not None).to(weight.device)
         w = weight.float() if smoothing is None else weight.float() * smoothing.float()[None, :]
-        module.qweight, module.scales = quantize_int8_per_channel(w)
+        module.qweight, module.scales = _int8_per_channel(w, rounding)
         if smoothing is not None:
             module.pre_quant_scale = 1.0 / smoothing.float()
         return module
@@ -132,10 +152,16 @@ class Fp8Linear(_QuantLinear):
         self.register_buffer("input_scale", torch.empty(1, dtype=torch.float32) if static_input_scale else None)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, kernel: Kernel, input_scale: torch.Tensor | None = None) -> Fp8Linear:
+    def from_float(
+        cls, weight: torch.Tensor, kernel: Kernel, input_scale: torch.Tensor | None = None,
+        rounding: WeightRounding | None = None,
+    ) -> Fp8Linear:
         static = input_scale is not None
         module = cls(weight.shape[1], weight.shape[0], kernel, static_input_scale=static).to(weight.device)
-        module.weight, module.weight_scale = quantize_fp8_per_tensor(weight)
+        scale = fp8_tensor_scale(weight)
+        if rounding is not None:
+            weight = rounding(weight.float(), fp8_tensor_grid(scale))
+        module.weight, module.weight_scale = quantize_fp8_per_tensor(weight, scale)
         if input_scale is not None:
             module.input_scale = input_scale.float().reshape(1).to(weight.device)
         return module

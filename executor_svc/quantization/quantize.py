@@ -36,10 +36,17 @@ GROUP_SCALE_DTYPE = torch.float16
 MIN_SCALE = 1e-5
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (int8 [out, in], float32 scales [out])."""
+def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [out]: each output channel's largest |w| maps to 127."""
+    return (weight.float().abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+
+
+def quantize_int8_per_channel(
+    weight: torch.Tensor, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (int8 [out, in], float32 scales [out]); ``scales`` default to ``int8_channel_scales``."""
     w = weight.float()
-    scales = (w.abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
+    scales = int8_channel_scales(w) if scales is None else scales.float()
     q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
@@ -106,10 +113,14 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_int4_groupwise(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None,
+    params: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (packed uint8 [out, in / 2], scales [out, groups], zeros [out, groups])."""
-    scales, zeros = int4_group_params(weight, group_size, clip)
+    """weight [out, in] -> (packed uint8 [out, in / 2], scales [out, groups], zeros [out, groups]).
+
+    ``params``: (scales, zeros) to use instead of ``int4_group_params(weight, group_size, clip)``.
+    """
+    scales, zeros = int4_group_params(weight, group_size, clip) if params is None else params
     return pack_int4(int4_codes(weight, scales, zeros, group_size)), scales, zeros
 
 
@@ -131,10 +142,17 @@ def fake_quantize_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor
     return (codes - zero).mul_(scale)
 
 
-def quantize_fp8_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [out, in] -> (float8_e4m3fn [out, in], float32 scale [1])."""
+def fp8_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
+    """float32 [1]: the weight's largest |w| maps to 448."""
+    return (weight.float().abs().amax() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1)
+
+
+def quantize_fp8_per_tensor(
+    weight: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [out, in] -> (float8_e4m3fn [out, in], float32 scale [1]); ``scale`` defaults to ``fp8_tensor_scale``."""
     w = weight.float()
-    scale = (w.abs().amax() / FP8_MAX).clamp(min=MIN_SCALE).reshape(1)
+    scale = fp8_tensor_scale(w) if scale is None else scale.float().reshape(1)
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

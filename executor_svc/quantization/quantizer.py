@@ -2,7 +2,7 @@
 
 Build: every Linear the plan quantizes is replaced by its quantized module,
 with the scales calibration found (AWQ search, SmoothQuant factors folded into
-the norm in front, static FP8 input scales). Load: the per-layer records in
+the norm in front, static FP8 input scales, GPTQ rounding). Load: the per-layer records in
 ``engine.json`` say which empty module goes where, and the engine's weights
 file fills them; an engine of random weights (``--load-format dummy``) is
 quantized at load instead, with unit AWQ/SmoothQuant scales since there is no
@@ -20,9 +20,12 @@ from torch import nn
 
 from executor_svc.build_config import QuantConfig
 from executor_svc.quantization.awq import search_awq_clip, search_awq_scale
+from executor_svc.quantization.gptq import ColumnGrid, gptq_round
 from executor_svc.quantization.calibration import CalibrationStats, LayerStats
 from executor_svc.quantization.layer_plan import replace_module
-from executor_svc.quantization.linear import Fp8Linear, Int4AWQLinear, Int8WeightOnlyLinear, SmoothQuantLinear
+from executor_svc.quantization.linear import (
+    Fp8Linear, Int4AWQLinear, Int8WeightOnlyLinear, SmoothQuantLinear, WeightRounding,
+)
 from executor_svc.quantization.quantize import FP8_MAX
 from executor_svc.quantization.records import LayerQuant
 from executor_svc.quantization.smoothquant import fold_into_norm, norm_in_front, smoothing_factors
@@ -32,6 +35,34 @@ if TYPE_CHECKING:
     from executor_svc.engine_file import EngineManifest
 
 Kernel = Callable[..., torch.Tensor]
+
+
+def _add_note(layer: LayerQuant, note: str) -> None:
+    layer.note = f"{layer.note}; {note}" if layer.note else note
+
+
+def _rounding(
+    layer: LayerQuant, config: QuantConfig, stats: LayerStats | None, input_scale: torch.Tensor | None = None
+) -> WeightRounding | None:
+    """GPTQ rounding for this layer when the build asks for it (None: round to nearest).
+
+    ``input_scale``: the weight is quantized with its input channels multiplied
+    by it (AWQ, SmoothQuant), so the inputs it sees are divided by it and the
+    Hessian of those inputs is ``H / (s s^T)``.
+    """
+    if config.weight_rounding != "gptq" or stats is None or stats.hessian is None:
+        return None
+    hessian = stats.hessian
+    if input_scale is not None:
+        s = input_scale.float()
+        hessian = hessian / s[:, None] / s[None, :]
+
+    def rounding(weight: torch.Tensor, grid: ColumnGrid) -> torch.Tensor:
+        found = gptq_round(weight, hessian, grid, config.gptq_damp)
+        _add_note(layer, f"GPTQ: output error {found.error_ratio:.2f}x round-to-nearest's")
+        return found.weight
+
+    return rounding
 
 
 def _awq_module(
@@ -49,7 +80,8 @@ def _awq_module(
         f"AWQ alpha {found.alpha:.2f}: output error {ratio:.2f}x round-to-nearest's; "
         f"group ranges clipped to {clip.mean():.2f} on average"
     )
-    return Int4AWQLinear.from_float(weight, kernel, layer.group_size, found.scale, clip)
+    rounding = _rounding(layer, config, stats, found.scale)
+    return Int4AWQLinear.from_float(weight, kernel, layer.group_size, found.scale, clip, rounding)
 
 
 def _smoothquant_module(
@@ -65,19 +97,24 @@ def _smoothquant_module(
     if norm is not None:
         fold_into_norm(model.get_submodule(norm), factors)
         layer.note = f"SmoothQuant alpha {alpha}: factors folded into {norm}"
-        return SmoothQuantLinear.from_float(weight.float() * factors[None, :], kernel)
+        rounding = _rounding(layer, config, stats, factors)
+        return SmoothQuantLinear.from_float(weight.float() * factors[None, :], kernel, rounding=rounding)
     layer.pre_quant_scale = True
     layer.note = f"SmoothQuant alpha {alpha}: factors applied to the input"
-    return SmoothQuantLinear.from_float(weight, kernel, smoothing=factors)
+    rounding = _rounding(layer, config, stats, factors)
+    return SmoothQuantLinear.from_float(weight, kernel, smoothing=factors, rounding=rounding)
 
 
-def _fp8_module(layer: LayerQuant, weight: torch.Tensor, kernel: Kernel, stats: LayerStats | None) -> Fp8Linear:
+def _fp8_module(
+    layer: LayerQuant, weight: torch.Tensor, kernel: Kernel, config: QuantConfig, stats: LayerStats | None
+) -> Fp8Linear:
     if not layer.static_input_scale:
-        return Fp8Linear.from_float(weight, kernel)
+        return Fp8Linear.from_float(weight, kernel, rounding=_rounding(layer, config, stats))
     if stats is None:
         raise ValueError(f"{layer.name}: static FP8 activation scales need calibration")
     layer.note = f"calibrated input max |x| {stats.tensor_absmax:.3g}"
-    return Fp8Linear.from_float(weight, kernel, torch.tensor(max(stats.tensor_absmax, 1e-6) / FP8_MAX))
+    input_scale = torch.tensor(max(stats.tensor_absmax, 1e-6) / FP8_MAX)
+    return Fp8Linear.from_float(weight, kernel, input_scale, _rounding(layer, config, stats))
 
 
 def _quantize_layer(
@@ -86,13 +123,13 @@ def _quantize_layer(
 ) -> nn.Module:
     """The quantized module for one Linear; fills in ``layer.note`` / ``layer.pre_quant_scale``."""
     if layer.algo == "W8A16":
-        return Int8WeightOnlyLinear.from_float(weight, kernel)
+        return Int8WeightOnlyLinear.from_float(weight, kernel, _rounding(layer, config, stats))
     if layer.algo == "W4A16_AWQ":
         return _awq_module(layer, weight, kernel, config, stats)
     if layer.algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN":
         return _smoothquant_module(model, layer, weight, kernel, config, architecture, stats)
     if layer.algo == "FP8":
-        return _fp8_module(layer, weight, kernel, stats)
+        return _fp8_module(layer, weight, kernel, config, stats)
     raise ValueError(f"{layer.name}: unknown quant_algo {layer.algo!r}")
 
 
