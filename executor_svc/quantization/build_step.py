@@ -150,6 +150,7 @@ def _check_gate(report: PerplexityReport, what: str) -> None:
         raise AccuracyGateError(
             f"{what} raises perplexity from {report.baseline:.3f} to {report.quantized:.3f} "
             f"(+{report.increase:.3f}) on {report.num_texts} held-out texts, more than the allowed "
-            f"{report.max_increase}; keep more layers in high precision (--exclude-modules), calibrate on more or "
-            "closer text (--calib-data, --calib-size), choose a gentler algorithm, or raise --max-ppl-increase"
+            f"{report.max_increase}; round with GPTQ (--weight-rounding gptq), keep more layers in high precision "
+            "(--exclude-modules), calibrate on more or closer text (--calib-data, --calib-size), choose a gentler "
+            "algorithm, or raise --max-ppl-increase"
         )

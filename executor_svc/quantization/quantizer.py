@@ -2,7 +2,8 @@
 
 Build: every Linear the plan quantizes is replaced by its quantized module,
 with the scales calibration found (AWQ search, SmoothQuant factors folded into
-the norm in front, static FP8 input scales, GPTQ rounding). Load: the per-layer records in
+the norm in front, static FP8 input scales) and, with GPTQ, the weights rounded
+against each layer's calibration inputs. Load: the per-layer records in
 ``engine.json`` say which empty module goes where, and the engine's weights
 file fills them; an engine of random weights (``--load-format dummy``) is
 quantized at load instead, with unit AWQ/SmoothQuant scales since there is no
@@ -20,8 +21,8 @@ from torch import nn
 
 from executor_svc.build_config import QuantConfig
 from executor_svc.quantization.awq import search_awq_clip, search_awq_scale
-from executor_svc.quantization.gptq import ColumnGrid, gptq_round
 from executor_svc.quantization.calibration import CalibrationStats, LayerStats
+from executor_svc.quantization.gptq import ColumnGrid, gptq_round
 from executor_svc.quantization.layer_plan import replace_module
 from executor_svc.quantization.linear import (
     Fp8Linear, Int4AWQLinear, Int8WeightOnlyLinear, SmoothQuantLinear, WeightRounding,
