@@ -28,45 +28,85 @@ does): one pass is what the other algorithms' statistics need too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from executor_svc.quantization.quantize import FP8_DTYPE, FP8_MAX, INT4_MAX, INT8_MAX
 
-# (values of one input channel [out], that channel's index) -> the grid points chosen for them [out]
-ColumnGrid = Callable[[torch.Tensor, int], torch.Tensor]
-
 GPTQ_BLOCK = 128  # channels rounded between two updates of the rest of the weight
 DEFAULT_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean: H of few or collinear rows is singular
 
 
-def fp8_tensor_grid(scale: torch.Tensor) -> ColumnGrid:
+class ColumnGrid(Protocol):
+    """A weight format's grid points, input channel by input channel."""
+
+    def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
+        """Values [out, k] of the input channels ``channels`` -> the nearest grid points [out, k]."""
+        ...
+
+    def permute(self, order: torch.Tensor) -> ColumnGrid:
+        """The same grid with its input channels taken in ``order``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8TensorGrid:
     """FP8 E4M3 with one scale for the whole weight (``quantize_fp8_per_tensor``'s grid)."""
-    def nearest(column: torch.Tensor, channel: int) -> torch.Tensor:
-        return (column / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scale
 
-    return nearest
+    scale: torch.Tensor  # [1]
+
+    def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
+        return (values / self.scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(values.dtype) * self.scale
+
+    def permute(self, order: torch.Tensor) -> Fp8TensorGrid:
+        return self
 
 
-def int8_channel_grid(scales: torch.Tensor) -> ColumnGrid:
+@dataclass(frozen=True, slots=True)
+class Int8ChannelGrid:
     """Symmetric INT8 with one scale per output channel (``quantize_int8_per_channel``'s grid)."""
-    def nearest(column: torch.Tensor, channel: int) -> torch.Tensor:
-        return torch.round(column / scales).clamp(-INT8_MAX, INT8_MAX) * scales
 
-    return nearest
+    scales: torch.Tensor  # [out, 1]
+
+    def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
+        return torch.round(values / self.scales).clamp(-INT8_MAX, INT8_MAX) * self.scales
+
+    def permute(self, order: torch.Tensor) -> Int8ChannelGrid:
+        return self
 
 
-def int4_group_grid(scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> ColumnGrid:
-    """Asymmetric INT4 per group of input channels (``int4_group_params`` / ``int4_codes``' grid)."""
-    scales, zeros = scales.float(), zeros.float()
+@dataclass(frozen=True, slots=True)
+class Int4GroupGrid:
+    """Asymmetric INT4 per group of input channels (``int4_group_params`` / ``int4_codes``' grid),
+    with each group's scale and zero point repeated over its channels."""
 
-    def nearest(column: torch.Tensor, channel: int) -> torch.Tensor:
-        scale, zero = scales[:, channel // group_size], zeros[:, channel // group_size]
-        return ((torch.round(column / scale) + zero).clamp(0, INT4_MAX) - zero) * scale
+    scales: torch.Tensor  # [out, in] float32
+    zeros: torch.Tensor  # [out, in] float32
 
-    return nearest
+    def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
+        scale, zero = self.scales[:, channels], self.zeros[:, channels]
+        return ((torch.round(values / scale) + zero).clamp(0, INT4_MAX) - zero) * scale
+
+    def permute(self, order: torch.Tensor) -> Int4GroupGrid:
+        return Int4GroupGrid(self.scales[:, order], self.zeros[:, order])
+
+
+def fp8_tensor_grid(scale: torch.Tensor) -> Fp8TensorGrid:
+    return Fp8TensorGrid(scale.float().reshape(1))
+
+
+def int8_channel_grid(scales: torch.Tensor) -> Int8ChannelGrid:
+    return Int8ChannelGrid(scales.float()[:, None])
+
+
+def int4_group_grid(scales: torch.Tensor, zeros: torch.Tensor, group_size: int, in_features: int) -> Int4GroupGrid:
+    """From the group parameters ([out, groups], the last group may be short)."""
+    def per_channel(values: torch.Tensor) -> torch.Tensor:
+        return values.float().repeat_interleave(group_size, dim=1)[:, :in_features].contiguous()
+
+    return Int4GroupGrid(per_channel(scales), per_channel(zeros))
 
 
 @dataclass(slots=True)
@@ -111,26 +151,27 @@ def gptq_round(
     w = original.clone()
     h = hessian.to(device=w.device, dtype=work)
     exact = h.clone()
-    nearest = torch.stack([grid(w[:, j], j) for j in range(in_features)], dim=1)
+    nearest = grid.round(original, slice(None))
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0  # an unfed channel: any value is as good, so its error goes nowhere
     order = torch.argsort(h.diagonal(), descending=True, stable=True)
-    channels = order.tolist()
-    w, h_perm = w[:, order], h[order][:, order]
-    u = _inverse_cholesky(h_perm, damp)
-    q = torch.empty_like(w)
+    w, h, grid = w[:, order], h[order][:, order], grid.permute(order)
+    u = _inverse_cholesky(h, damp)
+    # Channel-major ([in, out]): each step reads and updates whole contiguous rows.
+    wt = w.t().contiguous()
+    qt = torch.empty_like(wt)
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
-        block = w[:, start:end].clone()
+        block = wt[start:end].clone()
         errors = torch.empty_like(block)
         u_block = u[start:end, start:end]
         for i in range(end - start):
-            column = block[:, i]
-            rounded = grid(column, channels[start + i])
-            q[:, start + i] = rounded
-            err = (column - rounded) / u_block[i, i]
-            block[:, i:] -= err[:, None] * u_block[i, i:][None, :]
-            errors[:, i] = err
-        w[:, end:] -= errors @ u[start:end, end:]
-    q = q[:, torch.argsort(order)]
+            channel = block[i]
+            rounded = grid.round(channel[:, None], slice(start + i, start + i + 1))[:, 0]
+            qt[start + i] = rounded
+            err = (channel - rounded) / u_block[i, i]
+            block[i:].addr_(u_block[i, i:], err, alpha=-1.0)
+            errors[i] = err
+        wt[end:].addmm_(u[start:end, end:].t(), errors, alpha=-1.0)
+    q = qt.t()[:, torch.argsort(order)]
     return GptqResult(q, output_error(original - q, exact), output_error(original - nearest, exact))

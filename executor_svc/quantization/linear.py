@@ -99,7 +99,7 @@ class Int4AWQLinear(_QuantLinear):
         scaled = weight.float() * s[None, :]
         params = int4_group_params(scaled, group_size, clip)
         if rounding is not None:
-            scaled = rounding(scaled, int4_group_grid(*params, group_size))
+            scaled = rounding(scaled, int4_group_grid(*params, group_size, scaled.shape[1]))
         module.qweight, module.scales, module.zeros = quantize_int4_groupwise(scaled, group_size, params=params)
         module.pre_quant_scale = 1.0 / s
         return module
