@@ -1,0 +1,176 @@
+"""Where a quantization format's perplexity loss comes from, on real weights.
+
+The accuracy table (``quant_accuracy.py``) scores whole engines; this script
+takes one unquantized engine and rounds parts of it in place through the same
+quantize / dequantize functions the engines use, to answer:
+
+* weights or activations? FP8 weights alone, FP8 per-token activations alone,
+  both; and the weights with one scale per output channel instead of one per
+  tensor (a format inflight does not build; would finer scales help?);
+* which decoder layer? FP8 weights and activations in one layer at a time
+  (``--per-layer``: one perplexity pass per decoder layer);
+* how much does GPTQ rounding take back? FP8 weights rounded by GPTQ on the
+  calibration corpus, with and without the activations.
+
+Every row is the held-out perplexity and its change against the unquantized
+model (lm_head and embeddings are never rounded, as in the engines).
+
+    python bench/quant_error_sources.py --device cpu --output bench/results/cpu_quant_error_sources_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import log, resolve_device_and_dtype, write_report  # noqa: E402
+from quant_common import environment, scratch_dir  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import torch  # noqa: E402
+from executor_svc.build_config import BuildConfig, QuantConfig  # noqa: E402
+from executor_svc.builder import build_engine  # noqa: E402
+from executor_svc.engine import RuntimeConfig, load_engine  # noqa: E402
+from executor_svc.model.llama import Linear  # noqa: E402
+from executor_svc.quantization.calibration import calibrate  # noqa: E402
+from executor_svc.quantization.corpus import calibration_texts, encode_texts, held_out_texts  # noqa: E402
+from executor_svc.quantization.forward import PromptForward  # noqa: E402
+from executor_svc.quantization.gptq import fp8_tensor_grid, gptq_round  # noqa: E402
+from executor_svc.quantization.perplexity import perplexity  # noqa: E402
+from executor_svc.quantization.quantize import (  # noqa: E402
+    FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_tensor_scale, quantize_fp8_per_tensor, quantize_fp8_per_token_reference,
+)
+from inflight.model_store import resolve_model  # noqa: E402
+
+Rounding = Callable[[torch.Tensor], torch.Tensor]
+
+
+def fp8_weight_per_tensor(w: torch.Tensor) -> torch.Tensor:
+    return dequantize_fp8(*quantize_fp8_per_tensor(w)).to(w.dtype)
+
+
+def fp8_weight_per_channel(w: torch.Tensor) -> torch.Tensor:
+    scales = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return ((w.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scales).to(w.dtype)
+
+
+def fp8_activation_per_token(x: torch.Tensor) -> torch.Tensor:
+    q, scales = quantize_fp8_per_token_reference(x)
+    return (q.float() * scales).to(x.dtype)
+
+
+class RoundedModel:
+    """The engine's Linear layers (lm_head aside), with weights and inputs rounded on demand."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear) and n != "lm_head"}
+        self.original = {n: m.weight.data.clone() for n, m in self.linears.items()}
+
+    def apply(
+        self, weights: dict[str, torch.Tensor] | Rounding | None = None, activations: Rounding | None = None,
+        only: Callable[[str], bool] = lambda name: True,
+    ) -> None:
+        """Round the chosen layers: ``weights`` a function of the weight or a table of rounded weights."""
+        for name, module in self.linears.items():
+            chosen = only(name)
+            weight = self.original[name]
+            if chosen and weights is not None:
+                weight = weights[name] if isinstance(weights, dict) else weights(weight)
+            module.weight.data = weight
+            rounding = activations if chosen else None
+            module.forward = (  # an instance attribute shadows Linear.forward
+                (lambda x, m=module, r=rounding: m.kernel(r(x), m.weight)) if rounding else
+                (lambda x, m=module: m.kernel(x, m.weight))
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--eval-texts", type=int, default=1000, help="held-out texts (all 171 by default)")
+    p.add_argument("--eval-max-tokens", type=int, default=512)
+    p.add_argument("--calib-size", type=int, default=32, help="calibration texts for the GPTQ rows")
+    p.add_argument("--calib-max-tokens", type=int, default=256)
+    p.add_argument("--per-layer", action="store_true", help="add the one-layer-at-a-time rows")
+    p.add_argument("--work-dir", default=None)
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    args.device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    checkpoint = resolve_model(args.model)
+    engine_dir = scratch_dir(args.work_dir) / "unquantized"
+    config = BuildConfig(max_seq_len=1024, tokens_per_block=16, dtype=dtype, max_batch_size=16,
+                         quant_config=QuantConfig(quant_algo="none"))
+    build_engine(checkpoint, engine_dir, config, device=args.device, progress=False)
+    engine = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_bytes=64 << 20))
+    max_tokens = max(args.eval_max_tokens, args.calib_max_tokens)
+    runner = PromptForward.create(
+        engine.model, engine.model_config, max_tokens, engine.tokens_per_block, engine.device, engine.dtype
+    )
+    eval_ids = encode_texts(checkpoint, held_out_texts(args.eval_texts)[0], args.eval_max_tokens)
+    rounded = RoundedModel(engine.model)
+
+    def score() -> float:
+        return perplexity(runner, eval_ids, progress=False)[0]
+
+    baseline = score()
+    log(f"unquantized perplexity {baseline:.4f}")
+    rows: dict[str, dict] = {}
+
+    def row(label: str, **apply) -> float:
+        rounded.apply(**apply)
+        ppl = score()
+        rows[label] = {"perplexity": round(ppl, 4), "change": round(ppl - baseline, 4)}
+        log(f"{label}: {ppl:.4f} ({ppl - baseline:+.4f})")
+        return ppl
+
+    row("FP8 weights (per tensor)", weights=fp8_weight_per_tensor)
+    row("FP8 weights (per output channel)", weights=fp8_weight_per_channel)
+    row("FP8 activations (per token)", activations=fp8_activation_per_token)
+    row("FP8 weights (per tensor) + activations (per token)", weights=fp8_weight_per_tensor,
+        activations=fp8_activation_per_token)
+    row("FP8 weights (per channel) + activations (per token)", weights=fp8_weight_per_channel,
+        activations=fp8_activation_per_token)
+
+    rounded.apply()
+    calib_ids = encode_texts(checkpoint, calibration_texts("", args.calib_size)[0], args.calib_max_tokens)
+    stats = calibrate(runner, rounded.linears, calib_ids, progress=True, hessians=True)
+    gptq = {}
+    for name in tqdm(rounded.linears, desc="GPTQ", unit="layer"):
+        weight = rounded.original[name]
+        found = gptq_round(weight, stats.layers[name].hessian, fp8_tensor_grid(fp8_tensor_scale(weight)))
+        gptq[name] = found.weight.to(weight.dtype)
+    del stats
+    row("FP8 weights (per tensor, GPTQ)", weights=gptq)
+    row("FP8 weights (per tensor, GPTQ) + activations (per token)", weights=gptq, activations=fp8_activation_per_token)
+
+    per_layer = {}
+    if args.per_layer:
+        for index in tqdm(range(engine.model_config.num_layers), desc="one layer at a time", unit="layer"):
+            prefix = f"layers.{index}."
+            rounded.apply(weights=fp8_weight_per_tensor, activations=fp8_activation_per_token,
+                          only=lambda name, prefix=prefix: name.startswith(prefix))
+            per_layer[index] = round(score() - baseline, 4)
+    rounded.apply()
+
+    payload = {
+        "environment": environment(), "model": args.model, "dtype": dtype,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("output", "work_dir")},
+        "eval": {"texts": len(eval_ids), "corpus": held_out_texts(0)[1]},
+        "unquantized_perplexity": round(baseline, 4),
+        "rows": rows,
+        "per_layer_fp8_change": per_layer,
+        "per_layer_fp8_change_sum": round(sum(per_layer.values()), 4) if per_layer else None,
+    }
+    if args.output:
+        write_report("bench/quant_error_sources.py", argv, args.device, Path(args.output), payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
