@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -79,7 +80,11 @@ def summarize_ms(values_s: list[float]) -> dict:
     }
 
 
+@functools.cache
 def git_info() -> dict:
+    """Commit and uncommitted-changes flag of the checkout as the run started: the first call is made
+    when this module is imported, so a long benchmark does not report commits made while it ran."""
+
     def run(*cmd: str) -> str:
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -87,6 +92,9 @@ def git_info() -> dict:
         return {"commit": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "--porcelain"))}
     except Exception as exc:  # not a checkout, git missing
         return {"commit": None, "dirty": None, "error": str(exc)}
+
+
+git_info()  # the state the run starts from
 
 
 def device_info(device: str) -> dict:
