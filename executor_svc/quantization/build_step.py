@@ -95,6 +95,14 @@ def quantize_for_build(
             source = f"max |k| after RoPE and |v| over {stats.num_texts} texts of {corpus}"
             record.kv_cache = kv_cache_record(config.kv_cache_quant_algo, stats.kv_amax, source)
         log.info("calibrated on %d texts, %d tokens of %s", stats.num_texts, stats.num_tokens, corpus)
+        widest = max((m.weight.shape[1] for m in hooked.values()), default=0)
+        if config.weight_rounding == "gptq" and stats.num_tokens < 4 * widest:
+            # X^T X of fewer rows than channels is singular: GPTQ then fits the calibration rows
+            # almost exactly, and its error on them says little about other text.
+            log.warning(
+                "GPTQ sees %d calibration tokens for layers of up to %d input channels; several times more "
+                "tokens generalise better (--calib-size, --calib-max-tokens)", stats.num_tokens, widest,
+            )
 
     if validation is None:
         quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)

@@ -60,7 +60,7 @@ def _rounding(
 
     def rounding(weight: torch.Tensor, grid: ColumnGrid) -> torch.Tensor:
         found = gptq_round(weight, hessian, grid, config.gptq_damp)
-        _add_note(layer, f"GPTQ: output error {found.error_ratio:.2f}x round-to-nearest's")
+        _add_note(layer, f"GPTQ: output error {found.error_ratio:.3g}x round-to-nearest's")
         return found.weight
 
     return rounding
