@@ -124,7 +124,8 @@ def quantize_for_build(
     record.perplexity = PerplexityReport(
         corpus, len(held_out), num_tokens, baseline, quantized, validation.max_increase
     )
-    _check_gate(record.perplexity, config.describe())
+    suggest_gptq = mode.quantizes_weights and config.weight_rounding != "gptq"
+    _check_gate(record.perplexity, config.describe(), suggest_gptq)
     return record
 
 
@@ -149,16 +150,16 @@ def _calibrate_random_kv_cache(
     )
 
 
-def _check_gate(report: PerplexityReport, what: str) -> None:
+def _check_gate(report: PerplexityReport, what: str, suggest_gptq: bool) -> None:
     log.info(
         "perplexity %.3f -> %.3f (%+.3f, limit %+.3f)", report.baseline, report.quantized, report.increase,
         report.max_increase,
     )
     if not report.passed:
+        gptq = "round with GPTQ (--weight-rounding gptq), " if suggest_gptq else ""
         raise AccuracyGateError(
             f"{what} raises perplexity from {report.baseline:.3f} to {report.quantized:.3f} "
             f"(+{report.increase:.3f}) on {report.num_texts} held-out texts, more than the allowed "
-            f"{report.max_increase}; round with GPTQ (--weight-rounding gptq), keep more layers in high precision "
-            "(--exclude-modules), calibrate on more or closer text (--calib-data, --calib-size), choose a gentler "
-            "algorithm, or raise --max-ppl-increase"
+            f"{report.max_increase}; {gptq}keep more layers in high precision (--exclude-modules), calibrate on "
+            "more or closer text (--calib-data, --calib-size), choose a gentler algorithm, or raise --max-ppl-increase"
         )
