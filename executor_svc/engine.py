@@ -221,7 +221,8 @@ def _load_draft(runtime: RuntimeConfig) -> Engine:
     draft_dir = Path(runtime.speculative.draft_engine_dir)
     manifest = read_manifest(draft_dir)
     min_blocks = -(-manifest.max_seq_len // manifest.build_config.tokens_per_block)
-    return load_engine(draft_dir, RuntimeConfig(device=runtime.device, num_kv_blocks=min_blocks, cuda_graphs=False, warm_up=False))
+    placeholder = RuntimeConfig(device=runtime.device, num_kv_blocks=min_blocks, cuda_graphs=False, warm_up=False)
+    return load_engine(draft_dir, placeholder)
 
 
 def _default_kv_budget(device: torch.device, fraction: float) -> int:

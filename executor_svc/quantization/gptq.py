@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from executor_svc.quantization.quantize import FP8_DTYPE, FP8_MAX, INT4_MAX, INT8_MAX
+from executor_svc.quantization.quantize import FP8_DTYPE, FP8_MAX, INT4_MAX, INT8_MAX, group_values_per_channel
 
 GPTQ_BLOCK = 128  # channels rounded between two updates of the rest of the weight
 DEFAULT_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean: H of few or collinear rows is singular
@@ -103,10 +103,10 @@ def int8_channel_grid(scales: torch.Tensor) -> Int8ChannelGrid:
 
 def int4_group_grid(scales: torch.Tensor, zeros: torch.Tensor, group_size: int, in_features: int) -> Int4GroupGrid:
     """From the group parameters ([out, groups], the last group may be short)."""
-    def per_channel(values: torch.Tensor) -> torch.Tensor:
-        return values.float().repeat_interleave(group_size, dim=1)[:, :in_features].contiguous()
-
-    return Int4GroupGrid(per_channel(scales), per_channel(zeros))
+    return Int4GroupGrid(
+        group_values_per_channel(scales, group_size, in_features).contiguous(),
+        group_values_per_channel(zeros, group_size, in_features).contiguous(),
+    )
 
 
 @dataclass(slots=True)

@@ -71,7 +71,7 @@ def _group_extrema(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor,
     return torch.cat(maxes, dim=1), torch.cat(mins, dim=1)
 
 
-def _per_column(group_values: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+def group_values_per_channel(group_values: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
     """[out, groups] -> [out, in]: each group's value repeated over its channels."""
     return group_values.float().repeat_interleave(group_size, dim=1)[:, :in_features]
 
@@ -96,7 +96,7 @@ def int4_group_params(
 def int4_codes(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """INT4 codes 0..15 of ``weight`` under given group (scales, zeros): uint8 [out, in]."""
     in_features = weight.shape[1]
-    scale, zero = _per_column(scales, group_size, in_features), _per_column(zeros, group_size, in_features)
+    scale, zero = group_values_per_channel(scales, group_size, in_features), group_values_per_channel(zeros, group_size, in_features)
     return (torch.round(weight.float() / scale) + zero).clamp_(0, INT4_MAX).to(torch.uint8)
 
 
@@ -130,14 +130,14 @@ def dequantize_int4_groupwise(
     """The float32 weight [out, in] that packed INT4 codes stand for."""
     codes = unpack_int4(packed).float()
     in_features = codes.shape[1]
-    return (codes - _per_column(zeros, group_size, in_features)) * _per_column(scales, group_size, in_features)
+    return (codes - group_values_per_channel(zeros, group_size, in_features)) * group_values_per_channel(scales, group_size, in_features)
 
 
 def fake_quantize_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize round trip in float32 (for searches that only need the error)."""
     scales, zeros = int4_group_params(weight, group_size, clip)
     in_features = weight.shape[1]
-    scale, zero = _per_column(scales, group_size, in_features), _per_column(zeros, group_size, in_features)
+    scale, zero = group_values_per_channel(scales, group_size, in_features), group_values_per_channel(zeros, group_size, in_features)
     codes = (torch.round(weight.float() / scale) + zero).clamp_(0, INT4_MAX)
     return (codes - zero).mul_(scale)
 
