@@ -52,9 +52,10 @@ from plugins.registry import register_kernel
 MAX_ROWS = 2  # the GEMV's rows: past two it sums each row across threads every step (``dense_dot`` takes them)
 
 
-def _config(block_n: int, block_k: int, num_warps: int) -> DecodeConfig:
+def _config(block_n: int, block_k: int, num_warps: int, thread_k: int = 0) -> DecodeConfig:
     # num_stages 1: no prefetch across the loop; it measured slower for 16-bit weights on an H200.
-    return DecodeConfig(fma=True, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=1)
+    return DecodeConfig(fma=True, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=1,
+                        thread_k=thread_k)
 
 
 # The tactics a build times per weight shape (bench/dense_gemv.py sweeps the wider grid these come
@@ -64,6 +65,9 @@ TACTICS = {
     "n32 k128 w4": _config(32, 128, 4),
     "n16 k128 w8": _config(16, 128, 8),
     "n16 k256 w4": _config(16, 256, 4),
+    # each 16-byte load's 8 products summed in the thread first: fewer registers, wider tiles
+    "n32 k256 w4 t8": _config(32, 256, 4, thread_k=8),
+    "n64 k256 w8 t8": _config(64, 256, 8, thread_k=8),
 }
 # tl.dot tiles for 3 to 16 rows (one 16-row tile), timed at build against cuBLAS.
 # Narrow tiles too: a small model's layers have few output tiles to spread over the SMs.
@@ -91,7 +95,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | Non
     n, k = weight.shape
     config = resolve_split(config or DEFAULT_CONFIG, x.shape[0], n, k, num_sms(x.device))
     # the weight doubles as the (unread) scale pointer
-    return _launch(_float_gemv_kernel, config, x, out, n, k, (weight, weight), (weight.stride(0),), SCALED=False)
+    return _launch(_float_gemv_kernel, config, x, out, n, k, (weight, weight), (weight.stride(0),), SCALED=False,
+                   THREAD_K=config.thread_k)
 
 
 def dense_dot(x: torch.Tensor, weight: torch.Tensor, config: DecodeConfig | None = None) -> torch.Tensor:

@@ -24,6 +24,14 @@ from dataclasses import dataclass, replace
 FORMATS = ("int8", "int4", "fp8")
 
 
+# Split-K: aim for PROGRAMS_PER_SM programs per SM, never below MIN_SPLIT_STEPS
+# loop steps per split (each split costs a partial write and a read back), and
+# never more than MAX_SPLIT splits.
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_STEPS = 4
+MAX_SPLIT = 16
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """One launch of a small-M kernel."""
@@ -36,10 +44,19 @@ class DecodeConfig:
     # tl.dot kernels: Triton's software pipeline depth. GEMV kernels (whose loads Triton does not
     # pipeline): 2 or more requests the next step's weights into registers ahead, 1 does not.
     num_stages: int = 2
+    # 16-bit and FP8 GEMVs: channels whose products a thread adds in registers before its accumulator
+    # (one 16-byte load's worth: 8 16-bit or 16 FP8 weights), so it keeps BLOCK_K / thread_k float32
+    # accumulators per row instead of one per weight; 0 keeps one per weight. Fewer registers let more
+    # programs (and their loads) stay resident on an SM.
+    thread_k: int = 0
+
+    def __post_init__(self) -> None:
+        if self.thread_k and (self.thread_k & (self.thread_k - 1) or self.block_k % self.thread_k):
+            raise ValueError(f"thread_k {self.thread_k} must be a power of two dividing block_k {self.block_k}")
 
     def describe(self) -> dict[str, int | bool]:
         return {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "num_warps": self.num_warps, "num_stages": self.num_stages}
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
 
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the
@@ -71,14 +88,6 @@ DOT_TILES = {
 }
 
 DOT_BLOCK_M = 16  # rows per tl.dot tile: the smallest M side of a tensor-core MMA
-
-# Split-K: aim for PROGRAMS_PER_SM programs per SM, never below MIN_SPLIT_STEPS
-# loop steps per split (each split costs a partial write and a read back), and
-# never more than MAX_SPLIT splits.
-PROGRAMS_PER_SM = 4
-MIN_SPLIT_STEPS = 4
-MAX_SPLIT = 16
-
 
 def split_k_for(tiles: int, k_steps: int, num_sms: int) -> int:
     """Splits of K (a power of two) so that ``tiles`` output tiles keep ``num_sms`` SMs busy."""

@@ -488,12 +488,26 @@ def _w4a16_dot_kernel(
 
 
 @triton.jit
-def _float_rows_step(acc0, acc1, acc_rows, w32, x_ptr, stride_xm, k, K, rm, ROWS: tl.constexpr, EVEN_K: tl.constexpr):
+def _thread_sums(products, THREAD_K: tl.constexpr):
+    """``products`` [BLOCK_N, BLOCK_K] as they are (THREAD_K 0) or summed over runs of THREAD_K channels
+    [BLOCK_N, BLOCK_K / THREAD_K]: the run of one 16-byte load, which a thread holds whole, so the sum
+    stays in its registers (no shuffles)."""
+    if THREAD_K == 0:
+        sums = products
+    else:
+        sums = tl.sum(tl.reshape(products, (products.shape[0], products.shape[1] // THREAD_K, THREAD_K)), axis=2)
+    return sums
+
+
+@triton.jit
+def _float_rows_step(acc0, acc1, acc_rows, w32, x_ptr, stride_xm, k, K, rm, ROWS: tl.constexpr, EVEN_K: tl.constexpr,
+                     THREAD_K: tl.constexpr):
     """One step's products of float32 weights ``w32`` [BLOCK_N, BLOCK_K] (channels ``k``) with each row of x:
-    rows 0 and 1 into their tile-shaped accumulators, later rows summed into ``acc_rows`` [BLOCK_M, BLOCK_N]."""
-    acc0 += w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :]
+    rows 0 and 1 into their accumulators (``_thread_sums``' shape), later rows summed into ``acc_rows``
+    [BLOCK_M, BLOCK_N]."""
+    acc0 += _thread_sums(w32 * _load_x(x_ptr, k, K, EVEN_K)[None, :], THREAD_K)
     if ROWS >= 2:
-        acc1 += w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :]
+        acc1 += _thread_sums(w32 * _load_x(x_ptr + stride_xm, k, K, EVEN_K)[None, :], THREAD_K)
     for m in tl.static_range(2, ROWS):
         part = tl.sum(w32 * _load_x(x_ptr + m * stride_xm, k, K, EVEN_K)[None, :], axis=1)
         acc_rows += tl.where(rm[:, None] == m, part[None, :], 0.0)
@@ -504,31 +518,33 @@ def _float_rows_step(acc0, acc1, acc_rows, w32, x_ptr, stride_xm, k, K, rm, ROWS
 def _float_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, part_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, stride_om, steps_per_split,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, SCALED: tl.constexpr, THREAD_K: tl.constexpr,
 ):
     """Weights read element by element (16-bit, or FP8 converted by the hardware) times rows of x; with
     SCALED the sum is multiplied by the per-tensor scale at ``scale_ptr``."""
     rm = tl.arange(0, BLOCK_M)
     rn, n_mask, w_rows, rk, first, last, w = _float_gemv_tile(w_ptr, N, K, stride_wn, steps_per_split, BLOCK_N,
                                                               BLOCK_K, EVEN_K)
-    # Rows 0 and 1 keep float32 accumulators of the tile's shape, summed over K once, after the loop;
-    # rows past two (only on request: decode_config sends them to tl.dot) are summed every step.
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Rows 0 and 1 keep float32 accumulators of the tile's shape (or per THREAD_K channels), summed
+    # over K once, after the loop; rows past two (only on request: decode_config sends them to tl.dot)
+    # are summed every step.
+    ACC_K: tl.constexpr = BLOCK_K if THREAD_K == 0 else BLOCK_K // THREAD_K
+    acc0 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
     acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PDL and not PREFETCH:
         # The first step's weights were requested before the wait, so they stream in while the previous
         # kernel finishes; that step is done here and the loop starts at the second.
         enter(PDL)
         acc0, acc1, acc_rows = _float_rows_step(acc0, acc1, acc_rows, w.to(tl.float32), x_ptr, stride_xm,
-                                                first * BLOCK_K + rk, K, rm, ROWS, EVEN_K)
+                                                first * BLOCK_K + rk, K, rm, ROWS, EVEN_K, THREAD_K)
         first += 1
     else:
         enter(PDL)
     for step in range(first, last):
         w32, w = _float_gemv_step(w, w_rows, n_mask, rk, step, last, K, BLOCK_K, EVEN_K, PREFETCH)
         acc0, acc1, acc_rows = _float_rows_step(acc0, acc1, acc_rows, w32, x_ptr, stride_xm, step * BLOCK_K + rk, K,
-                                                rm, ROWS, EVEN_K)
+                                                rm, ROWS, EVEN_K, THREAD_K)
     acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
     if ROWS >= 2:
         acc += tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], 0.0)

@@ -52,6 +52,9 @@ CASES = [
     (2, 72, 384, gemv.TACTICS["n32 k128 w4"]),
     (1, 33, 640, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=3, num_stages=1)),  # 5 steps, 3 splits
     (2, 64, 256, DecodeConfig(fma=True, block_n=32, block_k=64, split_k=1, num_stages=2)),  # unsplit, prefetch
+    # products summed per thread in runs of 8 channels: masked last step, two rows, prefetch
+    (1, 40, 200, gemv.TACTICS["n32 k256 w4 t8"]),
+    (2, 72, 384, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=2, num_stages=2, thread_k=8)),
 ]
 
 

@@ -17,7 +17,8 @@ import torch
 from executor_svc.quantization import quantize as qz
 from executor_svc.quantization.linear import Fp8Linear, weight_only_rows
 from plugins.quant_gemm_decode_config import (
-    FMA_MAX_ROWS, MAX_SPLIT, MIN_SPLIT_STEPS, PROGRAMS_PER_SM, DecodeConfig, decode_config, split_k_for,
+    FMA_MAX_ROWS, MAX_SPLIT, MIN_SPLIT_STEPS, PROGRAMS_PER_SM, DecodeConfig, decode_config, resolve_split,
+    split_k_for,
 )
 from plugins.quant_gemm_torch import gemm_fp8, gemm_w4a16, gemm_w8a16
 from plugins.registry import get_kernel
@@ -76,6 +77,9 @@ W4_CASES = [
 ]
 FP8_CASES = [
     (1, 200, 40, _gemv(16, 128, 1)),
+    # products summed per thread in runs of 16 channels: masked last step over 3 splits; two rows, prefetch
+    (1, 712, 40, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=3, num_stages=1, thread_k=16)),
+    (2, 256, 24, DecodeConfig(fma=True, block_n=32, block_k=64, split_k=1, num_stages=2, thread_k=16)),
     (3, 130, 33, _gemv(16, 64, 2)),
     (3, 130, 40, _dot(16, 64, 2)),
     (16, 200, 24, _dot(32, 128, 1)),
@@ -90,6 +94,8 @@ if ON_GPU:  # Llama-3.1-8B's o projection, at batch 1 and 16
 def _case_id(case: tuple) -> str:
     config = case[-1]
     mode = "auto" if config is None else f"{'gemv' if config.fma else 'dot'}{config.block_n}x{config.block_k}s{config.split_k}"
+    if config is not None and config.thread_k:
+        mode += f"t{config.thread_k}"
     return "-".join(map(str, case[:-1])) + "-" + mode
 
 
@@ -259,6 +265,14 @@ def test_decode_config_fills_the_gpu_and_respects_the_formats():
     for tiles, steps in ((1, 1000), (4, 64), (128, 56), (896, 16), (10, 3)):
         split = split_k_for(tiles, steps, sms)
         assert 1 <= split <= MAX_SPLIT and (split == 1 or steps // split >= MIN_SPLIT_STEPS)
+    # a tactic's fixed split stays as it is
+    assert resolve_split(decode.FP8_TACTICS["n32 k128 w4 t16 s8"], 1, 4096, 4096, sms).split_k == 8
+
+
+@pytest.mark.parametrize("thread_k", [3, 24, 512])
+def test_decode_config_rejects_thread_sums_no_kernel_runs(thread_k):
+    with pytest.raises(ValueError, match="thread_k"):
+        DecodeConfig(fma=True, block_n=32, block_k=256, thread_k=thread_k)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -314,8 +328,13 @@ for x in ("*bf16", "*fp16"):
             ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
              {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128}),
-            ("fp8 gemv", K._float_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "SCALED": True}),
-            ("dense gemv", K._float_gemv_kernel, pointers(x, x), {**gemv, **rows_c, "SCALED": False}),
+            ("fp8 gemv", K._float_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "SCALED": True,
+                                                                          "THREAD_K": 0}),
+            ("fp8 gemv, thread sums", K._float_gemv_kernel, pointers(x, "*fp8e4nv"),
+             {**gemv, **rows_c, "SCALED": True, "THREAD_K": 16}),
+            ("dense gemv", K._float_gemv_kernel, pointers(x, x), {**gemv, **rows_c, "SCALED": False, "THREAD_K": 0}),
+            ("dense gemv, thread sums", K._float_gemv_kernel, pointers(x, x),
+             {**gemv, **rows_c, "SCALED": False, "THREAD_K": 8}),
         ]
     cases += [
         ("w8a16 dot", K._weight_dot_kernel, pointers(x, "*i8"), {**dot, "PER_CHANNEL": True}),
@@ -356,4 +375,4 @@ def test_decode_kernels_compile_for_hopper():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not report["failed"], report["failed"]
-    assert report["compiled"] == 24  # 2 dtypes x (4 GEMVs x 2 specializations + 4 tl.dot kernels)
+    assert report["compiled"] == 32  # 2 dtypes x (6 GEMVs x 2 specializations + 4 tl.dot kernels)
