@@ -42,7 +42,7 @@ from executor_svc.quantization.forward import PromptForward  # noqa: E402
 from executor_svc.quantization.gptq import fp8_tensor_grid, gptq_round  # noqa: E402
 from executor_svc.quantization.perplexity import perplexity  # noqa: E402
 from executor_svc.quantization.quantize import (  # noqa: E402
-    FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_tensor_scale, quantize_fp8_per_tensor, quantize_fp8_per_token_reference,
+    FP8_MAX, dequantize_fp8, fp8_tensor_scale, quantize_fp8_per_tensor, quantize_fp8_per_token_reference, round_fp8,
 )
 from inflight.model_store import resolve_model  # noqa: E402
 
@@ -55,7 +55,7 @@ def fp8_weight_per_tensor(w: torch.Tensor) -> torch.Tensor:
 
 def fp8_weight_per_channel(w: torch.Tensor) -> torch.Tensor:
     scales = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return ((w.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float() * scales).to(w.dtype)
+    return (round_fp8(w.float(), scales).float() * scales).to(w.dtype)
 
 
 def fp8_activation_per_token(x: torch.Tensor) -> torch.Tensor:

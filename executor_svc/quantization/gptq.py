@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from executor_svc.quantization.quantize import FP8_DTYPE, FP8_MAX, INT4_MAX, INT8_MAX, group_values_per_channel
+from executor_svc.quantization.quantize import group_values_per_channel, round_fp8, round_int4, round_int8
 
 GPTQ_BLOCK = 128  # channels rounded between two updates of the rest of the weight
 DEFAULT_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean: H of few or collinear rows is singular
@@ -58,7 +58,7 @@ class Fp8TensorGrid:
     scale: torch.Tensor  # [1]
 
     def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
-        return (values / self.scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(values.dtype) * self.scale
+        return round_fp8(values, self.scale).to(values.dtype) * self.scale
 
     def permute(self, order: torch.Tensor) -> Fp8TensorGrid:
         return self
@@ -71,7 +71,7 @@ class Int8ChannelGrid:
     scales: torch.Tensor  # [out, 1]
 
     def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
-        return torch.round(values / self.scales).clamp(-INT8_MAX, INT8_MAX) * self.scales
+        return round_int8(values, self.scales) * self.scales
 
     def permute(self, order: torch.Tensor) -> Int8ChannelGrid:
         return self
@@ -87,7 +87,7 @@ class Int4GroupGrid:
 
     def round(self, values: torch.Tensor, channels: slice) -> torch.Tensor:
         scale, zero = self.scales[:, channels], self.zeros[:, channels]
-        return ((torch.round(values / scale) + zero).clamp(0, INT4_MAX) - zero) * scale
+        return (round_int4(values, scale, zero) - zero) * scale
 
     def permute(self, order: torch.Tensor) -> Int4GroupGrid:
         return Int4GroupGrid(self.scales[:, order], self.zeros[:, order])

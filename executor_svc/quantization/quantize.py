@@ -36,6 +36,26 @@ GROUP_SCALE_DTYPE = torch.float16
 MIN_SCALE = 1e-5
 
 
+# The per-value rounding of each weight format, in one place: the quantizers below, the error
+# searches (AWQ) and GPTQ's grids all round through these. Inputs are float32 (or float64)
+# values and scales that broadcast against them.
+
+
+def round_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Symmetric INT8 codes -127..127 of ``values / scales`` (nearest), in the values' float dtype."""
+    return torch.round(values / scales).clamp_(-INT8_MAX, INT8_MAX)
+
+
+def round_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Asymmetric INT4 codes 0..15 of ``values / scales + zeros`` (nearest, saturating), in the values' float dtype."""
+    return (torch.round(values / scales) + zeros).clamp_(0, INT4_MAX)
+
+
+def round_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 values of ``values / scale`` (nearest, saturating at +-448)."""
+    return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def int8_channel_scales(weight: torch.Tensor) -> torch.Tensor:
     """float32 [out]: each output channel's largest |w| maps to 127."""
     return (weight.float().abs().amax(dim=1) / INT8_MAX).clamp(min=MIN_SCALE)
@@ -47,8 +67,7 @@ def quantize_int8_per_channel(
     """weight [out, in] -> (int8 [out, in], float32 scales [out]); ``scales`` default to ``int8_channel_scales``."""
     w = weight.float()
     scales = int8_channel_scales(w) if scales is None else scales.float()
-    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scales
+    return round_int8(w, scales[:, None]).to(torch.int8), scales
 
 
 def dequantize_int8_per_channel(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -97,7 +116,7 @@ def int4_codes(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     """INT4 codes 0..15 of ``weight`` under given group (scales, zeros): uint8 [out, in]."""
     in_features = weight.shape[1]
     scale, zero = group_values_per_channel(scales, group_size, in_features), group_values_per_channel(zeros, group_size, in_features)
-    return (torch.round(weight.float() / scale) + zero).clamp_(0, INT4_MAX).to(torch.uint8)
+    return round_int4(weight.float(), scale, zero).to(torch.uint8)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -138,8 +157,7 @@ def fake_quantize_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor
     scales, zeros = int4_group_params(weight, group_size, clip)
     in_features = weight.shape[1]
     scale, zero = group_values_per_channel(scales, group_size, in_features), group_values_per_channel(zeros, group_size, in_features)
-    codes = (torch.round(weight.float() / scale) + zero).clamp_(0, INT4_MAX)
-    return (codes - zero).mul_(scale)
+    return (round_int4(weight.float(), scale, zero) - zero).mul_(scale)
 
 
 def fp8_tensor_scale(weight: torch.Tensor) -> torch.Tensor:
@@ -153,7 +171,7 @@ def quantize_fp8_per_tensor(
     """weight [out, in] -> (float8_e4m3fn [out, in], float32 scale [1]); ``scale`` defaults to ``fp8_tensor_scale``."""
     w = weight.float()
     scale = fp8_tensor_scale(w) if scale is None else scale.float().reshape(1)
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return round_fp8(w, scale), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -167,7 +185,7 @@ def quantize_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """x [tokens, in] -> (int8 [tokens, in], float32 scales [tokens, 1])."""
     x32 = x.float()
     scales = (x32.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp(min=1e-8)
-    return torch.round(x32 / scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+    return round_int8(x32, scales).to(torch.int8), scales
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,4 +215,4 @@ def quantize_fp8_per_token_reference(x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def quantize_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [tokens, in] -> float8_e4m3fn with a calibrated per-tensor ``scale`` [1]; outliers saturate."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return round_fp8(x.float(), scale)
