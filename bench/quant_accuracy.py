@@ -59,16 +59,20 @@ MODES = {
     "FP8_KV": {"quant_algo": "none", "kv_cache_quant_algo": "FP8"},
     "INT8_KV": {"quant_algo": "none", "kv_cache_quant_algo": "INT8"},
     "FP8+FP8_KV": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"},
-    # The same formats with GPTQ choosing each weight's grid point (executor_svc/quantization/gptq.py).
+    # The same formats with GPTQ choosing each weight's grid point (executor_svc/quantization/gptq.py),
+    # layer after quantized layer; "_ONE_PASS": every layer calibrated on the unquantized model.
     "W4A16_GPTQ": {"quant_algo": "W4A16_AWQ", "awq_grid_size": 1, "weight_rounding": "gptq"},
     "W4A16_AWQ_GPTQ": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq"},
+    "W4A16_AWQ_GPTQ_ONE_PASS": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq", "gptq_sequential": False},
     "FP8_GPTQ": {"quant_algo": "FP8", "weight_rounding": "gptq"},
+    "FP8_GPTQ_ONE_PASS": {"quant_algo": "FP8", "weight_rounding": "gptq", "gptq_sequential": False},
     "FP8_GPTQ+FP8_KV": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "weight_rounding": "gptq"},
 }
 TARGETS = {
     "W8A16": 0.1, "FP8": 0.1, "FP8_STATIC": 0.1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN": 0.5, "W4A16_AWQ": 0.5,
     "W4A16_RTN": 0.5, "FP8_KV": 0.1, "INT8_KV": 0.1, "FP8+FP8_KV": 0.1,
-    "W4A16_GPTQ": 0.5, "W4A16_AWQ_GPTQ": 0.5, "FP8_GPTQ": 0.1, "FP8_GPTQ+FP8_KV": 0.1,
+    "W4A16_GPTQ": 0.5, "W4A16_AWQ_GPTQ": 0.5, "W4A16_AWQ_GPTQ_ONE_PASS": 0.5, "FP8_GPTQ": 0.1,
+    "FP8_GPTQ_ONE_PASS": 0.1, "FP8_GPTQ+FP8_KV": 0.1,
 }
 
 

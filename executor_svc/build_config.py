@@ -52,6 +52,9 @@ class QuantConfig:
     # (each rounding error compensated on the channels not yet rounded; needs calibration).
     weight_rounding: str = "nearest"
     gptq_damp: float = 0.01  # added to the GPTQ Hessian's diagonal, as a fraction of its mean
+    # GPTQ's order: calibrate and quantize one decoder layer at a time, each on the already
+    # quantized layers' outputs (False: every layer calibrated on the unquantized model, one pass).
+    gptq_sequential: bool = True
 
     @property
     def quant_mode(self) -> QuantMode:

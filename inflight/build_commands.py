@@ -39,6 +39,11 @@ def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--gptq-damp", type=float, default=QUANT_DEFAULTS.gptq_damp, help="GPTQ: Hessian damping")
     g.add_argument(
+        "--gptq-one-pass", action="store_true",
+        help="GPTQ: calibrate every layer on the unquantized model in one pass, instead of layer after quantized "
+        "layer (faster build, all layers' Hessians held at once)",
+    )
+    g.add_argument(
         "--activation-scheme", default=QUANT_DEFAULTS.activation_scheme, choices=["dynamic", "static"],
         help="FP8 activation scales: per token at run time, or one per tensor from calibration",
     )
@@ -59,7 +64,7 @@ def quant_build_from_args(args: argparse.Namespace, build: BuildConfig) -> Build
         build.quant_config, calib_data=args.calib_data, calib_size=args.calib_size,
         calib_max_tokens=args.calib_max_tokens, group_size=args.group_size, awq_grid_size=args.awq_grid_size,
         smoothquant_alpha=args.smoothquant_alpha, activation_scheme=args.activation_scheme,
-        weight_rounding=args.weight_rounding, gptq_damp=args.gptq_damp,
+        weight_rounding=args.weight_rounding, gptq_damp=args.gptq_damp, gptq_sequential=not args.gptq_one_pass,
         exclude_modules=[p.strip() for p in args.exclude_modules.split(",") if p.strip()],
     )
     return dataclasses.replace(build, quant_config=quant)

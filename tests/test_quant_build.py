@@ -142,6 +142,37 @@ def test_gptq_build_records_the_output_error_it_saved_and_reloads_the_same_model
     assert perplexity(runner, ids, progress=False)[0] == pytest.approx(record.perplexity.quantized, rel=1e-4)
 
 
+def test_sequential_gptq_calibrates_each_layer_on_the_quantized_layers_before_it(model_dir, tmp_path, monkeypatch):
+    from executor_svc.quantization import sequential
+
+    exclude = ["embed_tokens", "lm_head", "layers.[2-9]*", "layers.1[0-9]*"]  # decoder layers 0 and 1
+    passes = []
+    real_calibrate = sequential.calibrate
+
+    def spy(runner, modules, *args, stop_after=None, **kwargs):
+        first = runner.model.get_submodule("layers.0.qkv_proj")
+        passes.append((sorted(modules), stop_after is runner.model.get_submodule(sorted(modules)[0].rsplit(".", 1)[0]),
+                       isinstance(first, Fp8Linear)))
+        return real_calibrate(runner, modules, *args, stop_after=stop_after, **kwargs)
+
+    monkeypatch.setattr(sequential, "calibrate", spy)
+    weights = {}
+    for label, one_pass in (("sequential", False), ("one_pass", True)):
+        config = _build_config(quant_algo="FP8", weight_rounding="gptq", exclude_modules=exclude,
+                               gptq_sequential=not one_pass)
+        build_engine(model_dir, tmp_path / label, config, device=TEST_DEVICE, progress=False)
+        with safe_open(str(tmp_path / label / WEIGHTS_NAME), "pt") as f:
+            weights[label] = {name: f.get_tensor(f"layers.{name}.weight").float()
+                              for name in ("0.qkv_proj", "1.qkv_proj", "1.down_proj")}
+    # one pass per decoder layer, each stopped after its layer; layer 1's after layer 0 was quantized
+    names = [f"layers.{i}.{p}" for i in (0, 1) for p in ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")]
+    assert passes == [(names[:4], True, False), (names[4:], True, True)]
+    # layer 0 sees the same (unquantized) inputs either way; layer 1 sees layer 0's rounding only in order
+    assert torch.equal(weights["sequential"]["0.qkv_proj"], weights["one_pass"]["0.qkv_proj"])
+    for name in ("1.qkv_proj", "1.down_proj"):
+        assert not torch.equal(weights["sequential"][name], weights["one_pass"][name])
+
+
 def test_gptq_on_random_weights_is_rejected(model_dir, tmp_path):
     config = _build_config(quant_algo="FP8", weight_rounding="gptq")
     with pytest.raises(BuildConfigError, match="GPTQ rounding needs calibration"):

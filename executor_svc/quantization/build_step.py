@@ -3,11 +3,13 @@
 Runs on the loaded unquantized model (in the engine's dtype), in place:
 
 1. plan: which Linear gets what (exclude_modules keeps some in high precision);
-2. calibrate (AWQ, SmoothQuant, static FP8, GPTQ, and an FP8 / INT8 KV cache): run
+2. with ``--validate``: the unquantized model's perplexity on held-out texts;
+3. calibrate (AWQ, SmoothQuant, static FP8, GPTQ, and an FP8 / INT8 KV cache): run
    the model over calibration texts and record each planned layer's input
    statistics, and each decoder layer's largest key and value: the KV-cache scales;
-3. with ``--validate``: the unquantized model's perplexity on held-out texts;
-4. swap the planned layers for quantized modules;
+4. swap the planned layers for quantized modules (GPTQ, by default: steps 3 and 4
+   one decoder layer at a time, each calibrated on the quantized layers before it;
+   ``sequential.py``);
 5. with ``--validate``: the quantized model's perplexity on the same texts,
    through a quantized KV cache when there is one, and the gate: an increase
    past ``max_increase`` fails the build.
@@ -40,6 +42,7 @@ from executor_svc.quantization.perplexity import AccuracyGateError, PerplexityGa
 from executor_svc.quantization.quant_mode import QuantMode
 from executor_svc.quantization.quantizer import quantize_model, quantized_kernels
 from executor_svc.quantization.records import CalibrationReport, PerplexityReport, QuantizationRecord
+from executor_svc.quantization.sequential import quantize_sequentially
 
 log = logging.getLogger("inflight.build")
 
@@ -77,41 +80,52 @@ def quantize_for_build(
     max_tokens = min(max_seq_len, max(config.calib_max_tokens, validation.max_tokens if validation else 0))
     runner = PromptForward.create(model, model_config, max_tokens, build.tokens_per_block, device, dtype)
 
+    held_out, baseline, num_tokens = [], 0.0, 0
+    if validation is not None:  # scored before anything is quantized (GPTQ's sequential order quantizes as it goes)
+        texts, held_out_corpus = held_out_texts(validation.num_texts)
+        held_out = encode_texts(checkpoint, texts, min(validation.max_tokens, max_seq_len))
+        baseline, num_tokens = perplexity(runner, held_out, "perplexity (unquantized)", progress)
+
     stats = None
     calibrate_weights = bool(planned) and config.needs_calibration
+    sequential = calibrate_weights and config.weight_rounding == "gptq" and config.gptq_sequential
     if calibrate_weights or mode.has_kv_cache_quant:
         started = time.perf_counter()
         texts, corpus = calibration_texts(config.calib_data, config.calib_size)
         token_lists = encode_texts(checkpoint, texts, min(config.calib_max_tokens, max_seq_len))
         samples = AWQ_SAMPLE_ROWS if QuantMode.AWQ in mode else 0
-        hooked = planned if calibrate_weights else {}
-        stats = calibrate(
-            runner, hooked, token_lists, samples, progress, kv_cache=mode.has_kv_cache_quant,
-            hessians=config.weight_rounding == "gptq",
-        )
-        seconds = round(time.perf_counter() - started, 2)
-        record.calibration = CalibrationReport(corpus, stats.num_texts, stats.num_tokens, seconds)
-        if stats.kv_amax is not None:
-            source = f"max |k| after RoPE and |v| over {stats.num_texts} texts of {corpus}"
-            record.kv_cache = kv_cache_record(config.kv_cache_quant_algo, stats.kv_amax, source)
-        log.info("calibrated on %d texts, %d tokens of %s", stats.num_texts, stats.num_tokens, corpus)
-        widest = max((m.weight.shape[1] for m in hooked.values()), default=0)
-        if config.weight_rounding == "gptq" and stats.num_tokens < 4 * widest:
+        hooked = planned if calibrate_weights and not sequential else {}
+        if hooked or mode.has_kv_cache_quant:
+            stats = calibrate(
+                runner, hooked, token_lists, samples, progress, kv_cache=mode.has_kv_cache_quant,
+                hessians=config.weight_rounding == "gptq",
+            )
+            if stats.kv_amax is not None:
+                source = f"max |k| after RoPE and |v| over {stats.num_texts} texts of {corpus}"
+                record.kv_cache = kv_cache_record(config.kv_cache_quant_algo, stats.kv_amax, source)
+        num_calib_tokens = sum(map(len, token_lists))
+        widest = max((m.weight.shape[1] for m in planned.values()), default=0) if calibrate_weights else 0
+        if config.weight_rounding == "gptq" and num_calib_tokens < 4 * widest:
             # X^T X of fewer rows than channels is singular: GPTQ then fits the calibration rows
             # almost exactly, and its error on them says little about other text.
             log.warning(
                 "GPTQ sees %d calibration tokens for layers of up to %d input channels; several times more "
-                "tokens generalise better (--calib-size, --calib-max-tokens)", stats.num_tokens, widest,
+                "tokens generalise better (--calib-size, --calib-max-tokens)", num_calib_tokens, widest,
             )
+        if sequential:
+            quantize_sequentially(
+                runner, model, record.layers, config, model_config.architecture, kernels, token_lists, samples,
+                progress,
+            )
+        seconds = round(time.perf_counter() - started, 2)
+        record.calibration = CalibrationReport(corpus, len(token_lists), num_calib_tokens, seconds)
+        log.info("calibrated on %d texts, %d tokens of %s", len(token_lists), num_calib_tokens, corpus)
 
-    if validation is None:
+    if not sequential:
         quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)
-        return record
-    texts, corpus = held_out_texts(validation.num_texts)
-    held_out = encode_texts(checkpoint, texts, min(validation.max_tokens, max_seq_len))
-    baseline, num_tokens = perplexity(runner, held_out, "perplexity (unquantized)", progress)
-    quantize_model(model, record.layers, config, model_config.architecture, kernels, stats)
     del stats  # the AWQ samples and GPTQ Hessians are the largest things calibration keeps
+    if validation is None:
+        return record
     quantized = baseline
     if planned or record.kv_cache is not None:
         if record.kv_cache is not None:  # score through the engine's own cache: quantized on write, read back
@@ -122,7 +136,7 @@ def quantize_for_build(
             )
         quantized = perplexity(runner, held_out, f"perplexity ({config.describe()})", progress)[0]
     record.perplexity = PerplexityReport(
-        corpus, len(held_out), num_tokens, baseline, quantized, validation.max_increase
+        held_out_corpus, len(held_out), num_tokens, baseline, quantized, validation.max_increase
     )
     suggest_gptq = mode.quantizes_weights and config.weight_rounding != "gptq"
     _check_gate(record.perplexity, config.describe(), suggest_gptq)

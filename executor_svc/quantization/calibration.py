@@ -8,6 +8,9 @@ the sum of x^T x over every row (``[in, in]`` float32 per layer: for a
 Llama-3.1-8B about 1 GiB a decoder layer, most of it the down projection's). For a
 quantized KV cache, the largest |k| (after RoPE) and |v| each decoder layer
 wrote to the runner's 16-bit cache is read back after every text.
+
+A pass may stop each text's forward after one module (``stop_after``): GPTQ's
+sequential order calibrates one decoder layer at a time and needs nothing past it.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ class CalibrationStats:
     kv_amax: torch.Tensor | None = None  # [decoder layers, 2]: max |k|, max |v| (float32); None if not measured
 
 
+class _StopForward(Exception):
+    """Raised by the ``stop_after`` hook: the rest of the forward is not needed."""
+
+
+def _stop(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    raise _StopForward
+
+
 def _recorder(stats: LayerStats, rows_per_text: int):
     def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         x = inputs[0].detach()  # [tokens, in]
@@ -68,16 +79,19 @@ def _recorder(stats: LayerStats, rows_per_text: int):
 
 def calibrate(
     runner: PromptForward, modules: dict[str, nn.Module], token_lists: list[list[int]], max_samples: int = 0,
-    progress: bool = True, kv_cache: bool = False, hessians: bool = False,
+    progress: bool = True, kv_cache: bool = False, hessians: bool = False, stop_after: nn.Module | None = None,
 ) -> CalibrationStats:
     """Run every text through ``runner.model`` and gather the input statistics of ``modules`` (name -> Linear).
 
     ``max_samples`` input rows per layer are kept for replay (0: none), spread
     over the texts. ``kv_cache``: also measure each layer's largest |k| and |v|
     (``runner`` must have a 16-bit cache). ``hessians``: also sum each layer's x^T x (GPTQ).
+    ``stop_after``: end each text's forward once this module has run (the modules must all run before it).
     """
     if not token_lists:
         raise ValueError("calibration needs at least one text of two or more tokens")
+    if stop_after is not None and kv_cache:
+        raise ValueError("a pass that stops early does not write every layer's keys and values")
     device = runner.device
     rows_per_text = -(-max_samples // len(token_lists)) if max_samples else 0
     stats = {}
@@ -88,11 +102,16 @@ def calibrate(
             hessian=torch.zeros(in_features, in_features, device=device) if hessians else None,
         )
     handles = [m.register_forward_hook(_recorder(stats[name], rows_per_text)) for name, m in modules.items()]
-    needs_logits = any(name == "lm_head" for name in modules)  # lm_head runs in compute_logits, not forward
+    if stop_after is not None:
+        handles.append(stop_after.register_forward_hook(_stop))
+    needs_logits = stop_after is None and any(name == "lm_head" for name in modules)  # run in compute_logits
     kv_amax = KVAmax(runner.kv_cache.shape[0], device) if kv_cache else None
     try:
         for ids in tqdm(token_lists, desc="calibrate", unit="text", disable=not progress, leave=False):
-            hidden = runner.hidden_states(ids)
+            try:
+                hidden = runner.hidden_states(ids)
+            except _StopForward:
+                continue
             if kv_amax is not None:
                 kv_amax.update(runner.kv_cache, len(ids))
             if needs_logits:
