@@ -233,28 +233,25 @@ FP8_FORMAT = "fp8"
 INT4_FORMAT = "int4"
 
 
-def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0,
-           split_k: int = 0) -> dict[str, DecodeConfig]:
-    """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16,
-    " s8" with K always split 8 ways instead of by the SM count)."""
-    suffix = (f" t{thread_k}" if thread_k else "") + (f" s{split_k}" if split_k else "")
+def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0) -> dict[str, DecodeConfig]:
+    """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16)."""
+    suffix = f" t{thread_k}" if thread_k else ""
     return {f"n{n} k{k} w{w}{suffix}": DecodeConfig(fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages,
-                                                     thread_k=thread_k, split_k=split_k)
+                                                     thread_k=thread_k)
             for n, k, w in tiles}
 
 
 # The one-row GEMV tiles a build times per weight shape; the first of each is decode_config's default.
 # FP8 tiles with a float32 accumulator per weight stay at 64 weights a thread or fewer (128 registers,
 # four 4-warp programs an SM); summing each 16-byte load's 16 products in the thread first ("t16")
-# needs 56 registers at 64 weights a thread, so wider tiles fit, and more programs stay resident: a
-# fixed split of 8 ("s8") gives the small projections' short K more programs with fewer steps each,
-# so more of their loads are in flight at once. INT4 keeps one accumulator per word (8 weights) and
-# prefetches the next step's words.
+# needs 56-68 registers at 64 weights a thread, so wider tiles fit. On an H200 they won Llama-3.1-8B's
+# qkv, gate_up and down projections (bench/results/h200_batch1_fp8_thread_sums_llama8b.json; a fixed
+# split of K into 8, also timed there, never won and was dropped). INT4 keeps one accumulator per
+# word (8 weights) and prefetches the next step's words.
 FP8_TACTICS = {
     **_tiles(((32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (16, 256, 4), (32, 128, 4), (64, 128, 4)),
              stages=1),
     **_tiles(((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 256, 8), (128, 256, 8)), stages=1, thread_k=16),
-    **_tiles(((32, 256, 4), (32, 128, 4)), stages=1, thread_k=16, split_k=8),
 }
 INT4_TACTICS = _tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4),
                        (128, 256, 8)), stages=2)

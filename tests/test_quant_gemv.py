@@ -265,8 +265,8 @@ def test_decode_config_fills_the_gpu_and_respects_the_formats():
     for tiles, steps in ((1, 1000), (4, 64), (128, 56), (896, 16), (10, 3)):
         split = split_k_for(tiles, steps, sms)
         assert 1 <= split <= MAX_SPLIT and (split == 1 or steps // split >= MIN_SPLIT_STEPS)
-    # a tactic's fixed split stays as it is
-    assert resolve_split(decode.FP8_TACTICS["n32 k128 w4 t16 s8"], 1, 4096, 4096, sms).split_k == 8
+    # a config's own split stays as it is
+    assert resolve_split(DecodeConfig(fma=True, block_n=32, block_k=128, split_k=8), 1, 4096, 4096, sms).split_k == 8
 
 
 @pytest.mark.parametrize("thread_k", [3, 24, 512])
