@@ -236,9 +236,12 @@ INT4_FORMAT = "int4"
 def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0) -> dict[str, DecodeConfig]:
     """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16)."""
     suffix = f" t{thread_k}" if thread_k else ""
-    return {f"n{n} k{k} w{w}{suffix}": DecodeConfig(fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages,
-                                                     thread_k=thread_k)
-            for n, k, w in tiles}
+    return {
+        f"n{n} k{k} w{w}{suffix}": DecodeConfig(
+            fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages, thread_k=thread_k
+        )
+        for n, k, w in tiles
+    }
 
 
 # The one-row GEMV tiles a build times per weight shape; the first of each is decode_config's default.

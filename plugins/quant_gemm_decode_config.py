@@ -89,6 +89,7 @@ DOT_TILES = {
 
 DOT_BLOCK_M = 16  # rows per tl.dot tile: the smallest M side of a tensor-core MMA
 
+
 def split_k_for(tiles: int, k_steps: int, num_sms: int) -> int:
     """Splits of K (a power of two) so that ``tiles`` output tiles keep ``num_sms`` SMs busy."""
     split = 1

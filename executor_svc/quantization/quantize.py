@@ -115,7 +115,8 @@ def int4_group_params(
 def int4_codes(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
     """INT4 codes 0..15 of ``weight`` under given group (scales, zeros): uint8 [out, in]."""
     in_features = weight.shape[1]
-    scale, zero = group_values_per_channel(scales, group_size, in_features), group_values_per_channel(zeros, group_size, in_features)
+    scale = group_values_per_channel(scales, group_size, in_features)
+    zero = group_values_per_channel(zeros, group_size, in_features)
     return round_int4(weight.float(), scale, zero).to(torch.uint8)
 
 
@@ -149,14 +150,16 @@ def dequantize_int4_groupwise(
     """The float32 weight [out, in] that packed INT4 codes stand for."""
     codes = unpack_int4(packed).float()
     in_features = codes.shape[1]
-    return (codes - group_values_per_channel(zeros, group_size, in_features)) * group_values_per_channel(scales, group_size, in_features)
+    zero = group_values_per_channel(zeros, group_size, in_features)
+    return (codes - zero) * group_values_per_channel(scales, group_size, in_features)
 
 
 def fake_quantize_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize-dequantize round trip in float32 (for searches that only need the error)."""
     scales, zeros = int4_group_params(weight, group_size, clip)
     in_features = weight.shape[1]
-    scale, zero = group_values_per_channel(scales, group_size, in_features), group_values_per_channel(zeros, group_size, in_features)
+    scale = group_values_per_channel(scales, group_size, in_features)
+    zero = group_values_per_channel(zeros, group_size, in_features)
     return (round_int4(weight.float(), scale, zero) - zero).mul_(scale)
 
 
