@@ -119,6 +119,14 @@ async def _run_requests(submit, prompts: list[list[int]], output_len: int, desc:
     }
 
 
+def _limits(args, **fields):
+    """The scheduler limits every path runs with: an unbounded queue and the asked capacity policy."""
+    from scheduler_svc.engine_loop import EngineLimits
+    from scheduler_svc.scheduler_config import CapacityPolicy
+
+    return EngineLimits(max_queue_size=1 << 20, capacity_policy=CapacityPolicy(args.capacity_policy.upper()), **fields)
+
+
 def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
     import torch
 
@@ -126,7 +134,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
     from inflight.gc_tuning import settle_garbage_collector
     from inflight.inprocess import InProcessExecutor
     from scheduler_svc.api_types import GenerationRequest
-    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.engine_loop import AsyncEngine
     from scheduler_svc.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -145,7 +153,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
 
     async def start(overlap: bool) -> tuple[AsyncEngine, InProcessExecutor]:
         executor = InProcessExecutor(engine)
-        async_engine = AsyncEngine(executor, tokenizer, EngineLimits(max_queue_size=1 << 20, overlap_scheduling=overlap))
+        async_engine = AsyncEngine(executor, tokenizer, _limits(args, overlap_scheduling=overlap))
         await async_engine.start()
         if not args.keep_gc_defaults:
             settle_garbage_collector()  # as the LLM API and the services do once loaded
@@ -267,6 +275,7 @@ def run_grpc(args, engine_dir: Path, config: dict, result: dict) -> None:
     cmd = [
         sys.executable, "-m", "inflight", "serve", "--model", str(engine_dir), "--device", args.device,
         "--port", str(port), "--executor-port", str(executor_port), "--max-queue-size", str(1 << 20),
+        "--capacity-policy", args.capacity_policy,
         "--kv-cache-fraction", str(args.kv_cache_fraction), *(["--enforce-eager"] if args.enforce_eager else []),
     ]
     log_path = Path(args.server_log)
@@ -313,7 +322,7 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
     executor's (inputs, launches) from waiting on each other."""
     from inflight.gc_tuning import settle_garbage_collector
     from scheduler_svc.api_types import GenerationRequest
-    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.engine_loop import AsyncEngine
     from scheduler_svc.executor_client import GrpcExecutorConnection
     from scheduler_svc.tokenizer import Tokenizer
 
@@ -338,7 +347,7 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
                 except Exception:
                     if time.monotonic() > deadline:
                         raise
-            async_engine = AsyncEngine(connection, Tokenizer(engine_dir), EngineLimits(max_queue_size=1 << 20))
+            async_engine = AsyncEngine(connection, Tokenizer(engine_dir), _limits(args))
             await async_engine.start()
             settle_garbage_collector()
             try:
@@ -425,6 +434,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=0, help="default: the longest scenario")
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--kv-cache-fraction", type=float, default=0.9)
+    p.add_argument(
+        "--capacity-policy", default="guaranteed_no_evict", choices=["guaranteed_no_evict", "max_utilization"],
+        help="admit a request only with KV blocks for all its tokens, or optimistically (preempting when short)",
+    )
     p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
     p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
     p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
@@ -450,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "git": git_info(), "system": device_info(args.device), "model": args.shape or args.model,
-        "load_format": args.load_format, "gc_settled": not args.keep_gc_defaults, "quant_algo": args.quant_algo, "kv_cache_quant_algo": args.kv_cache_quant_algo,
+        "load_format": args.load_format, "gc_settled": not args.keep_gc_defaults, "quant_algo": args.quant_algo,
+        "kv_cache_quant_algo": args.kv_cache_quant_algo, "capacity_policy": args.capacity_policy,
         "inprocess": {}, "inprocess_no_overlap": {}, "split": {}, "grpc": {},
     }
     output = Path(args.output)
