@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from plugins.quant_gemm_decode import _launch, _precision, num_sms
+from plugins.quant_gemm_decode import _launch, _precision, _tiles, num_sms
 from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, resolve_split
 from plugins.quant_gemm_decode_kernels import _float_gemv_kernel, _weight_dot_kernel
 from plugins import gemv_tactics
@@ -52,22 +52,13 @@ from plugins.registry import register_kernel
 MAX_ROWS = 2  # the GEMV's rows: past two it sums each row across threads every step (``dense_dot`` takes them)
 
 
-def _config(block_n: int, block_k: int, num_warps: int, thread_k: int = 0) -> DecodeConfig:
-    # num_stages 1: no prefetch across the loop; it measured slower for 16-bit weights on an H200.
-    return DecodeConfig(fma=True, block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=1,
-                        thread_k=thread_k)
-
-
 # The tactics a build times per weight shape (bench/dense_gemv.py sweeps the wider grid these come
-# from); the first is what an untimed shape runs.
+# from); the first is what an untimed shape runs. num_stages 1: no prefetch across the loop, which
+# measured slower for 16-bit weights on an H200. " t8": each 16-byte load's 8 products summed in the
+# thread first (fewer registers, wider tiles).
 TACTICS = {
-    "n32 k256 w4": _config(32, 256, 4),
-    "n32 k128 w4": _config(32, 128, 4),
-    "n16 k128 w8": _config(16, 128, 8),
-    "n16 k256 w4": _config(16, 256, 4),
-    # each 16-byte load's 8 products summed in the thread first: fewer registers, wider tiles
-    "n32 k256 w4 t8": _config(32, 256, 4, thread_k=8),
-    "n64 k256 w8 t8": _config(64, 256, 8, thread_k=8),
+    **_tiles(((32, 256, 4), (32, 128, 4), (16, 128, 8), (16, 256, 4)), stages=1),
+    **_tiles(((32, 256, 4), (64, 256, 8)), stages=1, thread_k=8),
 }
 # tl.dot tiles for 3 to 16 rows (one 16-row tile), timed at build against cuBLAS.
 # Narrow tiles too: a small model's layers have few output tiles to spread over the SMs.
