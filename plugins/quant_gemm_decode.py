@@ -192,8 +192,11 @@ def w4a16_decode(
         chunk = min(group_size, config.block_k)  # channels of one group within a step
         if config.block_k % chunk or chunk % 8:
             raise ValueError(f"block_k {config.block_k} must be a multiple of min(group {group_size}, block_k)")
+        if config.thread_k and (config.thread_k % 8 or chunk % config.thread_k):
+            raise ValueError(f"INT4 thread_k {config.thread_k} must be a multiple of 8 (whole words) dividing "
+                             f"the {chunk} channels of a group within a step")
         return _launch(_w4a16_gemv_kernel, config, x, out, n, k, (words, scales, zeros, pqs),
-                       (words.stride(0), scales.stride(0)), CHUNK=chunk, **constants)
+                       (words.stride(0), scales.stride(0)), CHUNK=chunk, THREAD_K=config.thread_k, **constants)
     dot = _dot_config("int4", x, n, group_size) if config.fma else config
     if group_size % dot.block_k:
         raise ValueError(f"the INT4 tl.dot kernels step within one group: block_k {dot.block_k} must divide "
@@ -250,14 +253,19 @@ def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int =
 # needs 56-68 registers at 64 weights a thread, so wider tiles fit. On an H200 they won Llama-3.1-8B's
 # qkv, gate_up and down projections (bench/results/h200_batch1_fp8_thread_sums_llama8b.json; a fixed
 # split of K into 8, also timed there, never won and was dropped). INT4 keeps one accumulator per
-# word (8 weights) and prefetches the next step's words.
+# word (8 weights), or ("t32") per 16-byte load of four words, and prefetches the next step's words:
+# at 128 weights a thread the per-load sums take 128 registers instead of 168 (three 4-warp programs
+# an SM become four), with the same instructions per weight (compiled sm_90 loops).
 FP8_TACTICS = {
     **_tiles(((32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (16, 256, 4), (32, 128, 4), (64, 128, 4)),
              stages=1),
     **_tiles(((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 256, 8), (128, 256, 8)), stages=1, thread_k=16),
 }
-INT4_TACTICS = _tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4),
-                       (128, 256, 8)), stages=2)
+INT4_TACTICS = {
+    **_tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4), (128, 256, 8)),
+             stages=2),
+    **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8), (64, 128, 4)), stages=2, thread_k=32),
+}
 TACTICS = {FP8_FORMAT: FP8_TACTICS, INT4_FORMAT: INT4_TACTICS}
 
 

@@ -44,8 +44,8 @@ class DecodeConfig:
     # tl.dot kernels: Triton's software pipeline depth. GEMV kernels (whose loads Triton does not
     # pipeline): 2 or more requests the next step's weights into registers ahead, 1 does not.
     num_stages: int = 2
-    # 16-bit and FP8 GEMVs: channels whose products a thread adds in registers before its accumulator
-    # (one 16-byte load's worth: 8 16-bit or 16 FP8 weights), so it keeps BLOCK_K / thread_k float32
+    # GEMVs: channels whose products a thread adds in registers before its accumulator (one 16-byte
+    # load's worth: 8 16-bit, 16 FP8 or 32 INT4 weights), so it keeps BLOCK_K / thread_k float32
     # accumulators per row instead of one per weight; 0 keeps one per weight. Fewer registers let more
     # programs (and their loads) stay resident on an SM.
     thread_k: int = 0

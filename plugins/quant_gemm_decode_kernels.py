@@ -298,15 +298,20 @@ def _phases(x):
 
 
 @triton.jit
-def _int4_row_step(acc, words, x, a, b):
-    """``acc`` [BLOCK_N, C, W] plus one step's INT4 products with one row of x ([C, W, 8]), word by word.
+def _int4_row_step(acc, words, x, a, b, THREAD_WORDS: tl.constexpr):
+    """``acc`` [BLOCK_N, C, W / THREAD_WORDS] plus one step's INT4 products with one row of x ([C, W, 8]).
 
     Per word, ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s``
-    of the word's group ([BLOCK_N, C, 1]).
+    of the word's group ([BLOCK_N, C, 1]); with THREAD_WORDS > 1 the sums of each run of that many words
+    (one 16-byte load, in one thread and one group) are added in registers before the scale is applied.
     """
     x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
     x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
+    if THREAD_WORDS > 1:
+        dots = tl.sum(tl.reshape(dots, (dots.shape[0], dots.shape[1], dots.shape[2] // THREAD_WORDS, THREAD_WORDS)),
+                      axis=3)
+        x_sum = tl.sum(tl.reshape(x_sum, (x_sum.shape[0], x_sum.shape[1] // THREAD_WORDS, THREAD_WORDS)), axis=2)
     return acc + a * dots - b * x_sum[None, :, :]
 
 
@@ -330,7 +335,7 @@ def _w4a16_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, CHUNK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, THREAD_K: tl.constexpr,
 ):
     # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K channels
     # is C = BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group, of W words.
@@ -340,6 +345,7 @@ def _w4a16_gemv_kernel(
     # requested a step ahead: a step's few loads otherwise wait out a round trip to L2 each.
     C: tl.constexpr = BLOCK_K // CHUNK
     W: tl.constexpr = CHUNK // 8
+    THREAD_WORDS: tl.constexpr = 1 if THREAD_K == 0 else THREAD_K // 8
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rc = tl.arange(0, C)
@@ -354,8 +360,8 @@ def _w4a16_gemv_kernel(
     chunk_words = rc[:, None] * CHUNK + rw[None, :] * 8  # [C, W]: each word's first channel within a step
     words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
     scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, first, n_mask, rc, K, BLOCK_K, CHUNK, GROUP, EVEN_K)
-    acc0 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, C, W), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_N, C, W // THREAD_WORDS), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, C, W // THREAD_WORDS), dtype=tl.float32)
     acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     enter(PDL)  # activations are read only after this; the first step's weights are already on their way
     x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, first * BLOCK_K + chunk_words, K, ROWS, HAS_PQS, EVEN_K)
@@ -379,12 +385,12 @@ def _w4a16_gemv_kernel(
         scale32 = cur_scale.to(tl.float32)
         a = (16.0 * scale32)[:, :, None]
         b = ((16.0 + cur_zero.to(tl.float32)) * scale32)[:, :, None]
-        acc0 = _int4_row_step(acc0, current, cur_x0, a, b)
+        acc0 = _int4_row_step(acc0, current, cur_x0, a, b, THREAD_WORDS)
         if ROWS >= 2:
-            acc1 = _int4_row_step(acc1, current, cur_x1, a, b)
+            acc1 = _int4_row_step(acc1, current, cur_x1, a, b, THREAD_WORDS)
         for m in tl.static_range(2, ROWS):  # rows past two: summed every step (registers stay bounded)
             x_m = _int4_x(x_ptr + m * stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
-            part = _int4_row_step(tl.zeros_like(acc0), current, x_m, a, b)
+            part = _int4_row_step(tl.zeros_like(acc0), current, x_m, a, b, THREAD_WORDS)
             acc_rows += tl.where(rm[:, None] == m, tl.sum(tl.sum(part, axis=2), axis=1)[None, :], 0.0)
     acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
     if ROWS >= 2:

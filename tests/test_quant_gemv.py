@@ -73,6 +73,9 @@ W4_CASES = [
     (16, 192, 40, 64, False, _dot(32, 32, 3)),
     (1, 102, 24, 32, True, _gemv(16, 128, 1)),  # K % 8: not words
     (2, 576, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=256, split_k=2, num_stages=1)),  # no prefetch
+    # per-load sums of four words: a short last group over 3 splits; groups of 32 at three rows (one run a group)
+    (1, 712, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=3, num_stages=2, thread_k=32)),
+    (3, 192, 33, 32, False, DecodeConfig(fma=True, block_n=16, block_k=64, split_k=1, num_stages=1, thread_k=32)),
     (1, 256, 48, 128, True, None), (3, 256, 48, 128, True, None), (16, 256, 48, 128, False, None),
 ]
 FP8_CASES = [
@@ -275,6 +278,15 @@ def test_decode_config_rejects_thread_sums_no_kernel_runs(thread_k):
         DecodeConfig(fma=True, block_n=32, block_k=256, thread_k=thread_k)
 
 
+@pytest.mark.parametrize("thread_k", [4, 64])
+def test_int4_thread_sums_need_whole_words_within_a_group(thread_k):
+    x, weight = _int4_operands(1, 256, 16)
+    packed, scales, zeros, _, pqs = weight
+    config = DecodeConfig(fma=True, block_n=16, block_k=128, split_k=1, thread_k=thread_k)
+    with pytest.raises(ValueError, match="thread_k"):  # 4: half a word; 64: past a group of 32
+        decode.w4a16_decode(x, packed, scales, zeros, 32 if thread_k == 64 else 128, pqs, config)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
 def test_decode_kernels_replay_from_a_cuda_graph():
     x, w = _operands(1, 4096, 4096, torch.bfloat16)
@@ -327,7 +339,9 @@ for x in ("*bf16", "*fp16"):
         cases += [
             ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
-             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128}),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 0}),
+            ("w4a16 gemv, thread sums", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 32}),
             ("fp8 gemv", K._float_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "SCALED": True,
                                                                           "THREAD_K": 0}),
             ("fp8 gemv, thread sums", K._float_gemv_kernel, pointers(x, "*fp8e4nv"),
@@ -375,4 +389,4 @@ def test_decode_kernels_compile_for_hopper():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not report["failed"], report["failed"]
-    assert report["compiled"] == 32  # 2 dtypes x (6 GEMVs x 2 specializations + 4 tl.dot kernels)
+    assert report["compiled"] == 36  # 2 dtypes x (7 GEMVs x 2 specializations + 4 tl.dot kernels)
