@@ -49,9 +49,6 @@ class DecodeConfig:
     # accumulators per row instead of one per weight; 0 keeps one per weight. Fewer registers let more
     # programs (and their loads) stay resident on an SM.
     thread_k: int = 0
-    # INT4 GEMV: load each of x's eight phases on its own, straight into the weight words' layout, instead
-    # of one 16-byte load per word moved there through shared memory (barriers every step).
-    x_phase_loads: bool = False
 
     def __post_init__(self) -> None:
         if self.thread_k and (self.thread_k & (self.thread_k - 1) or self.block_k % self.thread_k):
@@ -59,8 +56,7 @@ class DecodeConfig:
 
     def describe(self) -> dict[str, int | bool]:
         return {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k,
-                "x_phase_loads": self.x_phase_loads}
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
 
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the

@@ -262,33 +262,10 @@ def _int4_dot_words(w, x0, x1, x2, x3, x4, x5, x6, x7):
 
 
 @triton.jit
-def _int4_x(x_row, pqs_ptr, word_k, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr, PHASE_LOADS: tl.constexpr):
-    """One row of x at the channels of words starting at ``word_k`` [C, W], times the AWQ input scale, as its
-    eight phases (phase j [C, W]: channel j of every word), float32.
-
-    By default one 16-byte load per word, split into phases after a move through shared memory (the
-    words' layout differs from the load's); with PHASE_LOADS each phase is loaded on its own, straight
-    into the words' layout: eight 2-byte loads per word, but no shared memory and no barriers.
-    """
-    if PHASE_LOADS:
-        x0 = _x_phase(x_row, pqs_ptr, word_k + 0, K, HAS_PQS, EVEN_K)
-        x1 = _x_phase(x_row, pqs_ptr, word_k + 1, K, HAS_PQS, EVEN_K)
-        x2 = _x_phase(x_row, pqs_ptr, word_k + 2, K, HAS_PQS, EVEN_K)
-        x3 = _x_phase(x_row, pqs_ptr, word_k + 3, K, HAS_PQS, EVEN_K)
-        x4 = _x_phase(x_row, pqs_ptr, word_k + 4, K, HAS_PQS, EVEN_K)
-        x5 = _x_phase(x_row, pqs_ptr, word_k + 5, K, HAS_PQS, EVEN_K)
-        x6 = _x_phase(x_row, pqs_ptr, word_k + 6, K, HAS_PQS, EVEN_K)
-        x7 = _x_phase(x_row, pqs_ptr, word_k + 7, K, HAS_PQS, EVEN_K)
-    else:
-        channels = word_k[:, :, None] + tl.arange(0, 8)[None, None, :]
-        x = _x_phase(x_row, pqs_ptr, channels, K, HAS_PQS, EVEN_K)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
-def _x_phase(x_row, pqs_ptr, channels, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr):
-    """x at ``channels`` times the AWQ input scale there, float32."""
+def _int4_x(x_row, pqs_ptr, word_k, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row of x at the channels of words starting at ``word_k`` [C, W]: [C, W, 8] float32, one 16-byte
+    load per word, times the AWQ input scale."""
+    channels = word_k[:, :, None] + tl.arange(0, 8)[None, None, :]
     x = _load_x(x_row, channels, K, EVEN_K)
     if HAS_PQS:
         x *= _load_x(pqs_ptr, channels, K, EVEN_K)
@@ -297,12 +274,12 @@ def _x_phase(x_row, pqs_ptr, channels, K, HAS_PQS: tl.constexpr, EVEN_K: tl.cons
 
 @triton.jit
 def _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS: tl.constexpr, HAS_PQS: tl.constexpr,
-                 EVEN_K: tl.constexpr, PHASE_LOADS: tl.constexpr):
+                 EVEN_K: tl.constexpr):
     """Rows 0 and 1 of x as ``_int4_x`` reads them (row 1 repeats row 0 when there is one row)."""
-    x0 = _int4_x(x_ptr, pqs_ptr, word_k, K, HAS_PQS, EVEN_K, PHASE_LOADS)
+    x0 = _int4_x(x_ptr, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
     x1 = x0
     if ROWS >= 2:
-        x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K, PHASE_LOADS)
+        x1 = _int4_x(x_ptr + stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
     return x0, x1
 
 
@@ -322,14 +299,13 @@ def _phases(x):
 
 @triton.jit
 def _int4_row_step(acc, words, x, a, b, THREAD_WORDS: tl.constexpr):
-    """``acc`` [BLOCK_N, C, W / THREAD_WORDS] plus one step's INT4 products with one row of x (its eight
-    phases, ``_int4_x``).
+    """``acc`` [BLOCK_N, C, W / THREAD_WORDS] plus one step's INT4 products with one row of x ([C, W, 8]).
 
     Per word, ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s``
     of the word's group ([BLOCK_N, C, 1]); with THREAD_WORDS > 1 the sums of each run of that many words
     (one 16-byte load, in one thread and one group) are added in registers before the scale is applied.
     """
-    x0, x1, x2, x3, x4, x5, x6, x7 = x
+    x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
     x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
     dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
     if THREAD_WORDS > 1:
@@ -360,7 +336,6 @@ def _w4a16_gemv_kernel(
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, CHUNK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, THREAD_K: tl.constexpr,
-    PHASE_LOADS: tl.constexpr,
 ):
     # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K channels
     # is C = BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group, of W words.
@@ -389,8 +364,7 @@ def _w4a16_gemv_kernel(
     acc1 = tl.zeros((BLOCK_N, C, W // THREAD_WORDS), dtype=tl.float32)
     acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     enter(PDL)  # activations are read only after this; the first step's weights are already on their way
-    x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, first * BLOCK_K + chunk_words, K, ROWS, HAS_PQS, EVEN_K,
-                          PHASE_LOADS)
+    x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, first * BLOCK_K + chunk_words, K, ROWS, HAS_PQS, EVEN_K)
     for step in range(first, last):
         word_k = step * BLOCK_K + chunk_words
         if PREFETCH:  # the next step's inputs before this step's are used (the last re-requests its own)
@@ -400,14 +374,14 @@ def _w4a16_gemv_kernel(
             scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, ahead, n_mask, rc, K, BLOCK_K, CHUNK, GROUP,
                                        EVEN_K)
             x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, ahead * BLOCK_K + chunk_words, K, ROWS, HAS_PQS,
-                                  EVEN_K, PHASE_LOADS)
+                                  EVEN_K)
         elif step == first:
             current, cur_scale, cur_zero, cur_x0, cur_x1 = words, scale, zero, x0, x1
         else:
             current = _load_words(w_rows, step * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
             cur_scale, cur_zero = _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K, CHUNK,
                                                GROUP, EVEN_K)
-            cur_x0, cur_x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS, HAS_PQS, EVEN_K, PHASE_LOADS)
+            cur_x0, cur_x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS, HAS_PQS, EVEN_K)
         scale32 = cur_scale.to(tl.float32)
         a = (16.0 * scale32)[:, :, None]
         b = ((16.0 + cur_zero.to(tl.float32)) * scale32)[:, :, None]
@@ -415,7 +389,7 @@ def _w4a16_gemv_kernel(
         if ROWS >= 2:
             acc1 = _int4_row_step(acc1, current, cur_x1, a, b, THREAD_WORDS)
         for m in tl.static_range(2, ROWS):  # rows past two: summed every step (registers stay bounded)
-            x_m = _int4_x(x_ptr + m * stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K, PHASE_LOADS)
+            x_m = _int4_x(x_ptr + m * stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
             part = _int4_row_step(tl.zeros_like(acc0), current, x_m, a, b, THREAD_WORDS)
             acc_rows += tl.where(rm[:, None] == m, tl.sum(tl.sum(part, axis=2), axis=1)[None, :], 0.0)
     acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)

@@ -76,10 +76,6 @@ W4_CASES = [
     # per-load sums of four words: a short last group over 3 splits; groups of 32 at three rows (one run a group)
     (1, 712, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=3, num_stages=2, thread_k=32)),
     (3, 192, 33, 32, False, DecodeConfig(fma=True, block_n=16, block_k=64, split_k=1, num_stages=1, thread_k=32)),
-    # x read phase by phase: masked K (a short last group), two rows over 2 splits; three rows, small groups
-    (2, 712, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=256, split_k=2, x_phase_loads=True)),
-    (3, 136, 24, 64, True, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=1, thread_k=32,
-                                         x_phase_loads=True)),
     (1, 256, 48, 128, True, None), (3, 256, 48, 128, True, None), (16, 256, 48, 128, False, None),
 ]
 FP8_CASES = [
@@ -103,8 +99,6 @@ def _case_id(case: tuple) -> str:
     mode = "auto" if config is None else f"{'gemv' if config.fma else 'dot'}{config.block_n}x{config.block_k}s{config.split_k}"
     if config is not None and config.thread_k:
         mode += f"t{config.thread_k}"
-    if config is not None and config.x_phase_loads:
-        mode += "xp"
     return "-".join(map(str, case[:-1])) + "-" + mode
 
 
@@ -345,9 +339,9 @@ for x in ("*bf16", "*fp16"):
         cases += [
             ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
-             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 0, "PHASE_LOADS": False}),
-            ("w4a16 gemv, thread sums, x by phase", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
-             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 32, "PHASE_LOADS": True}),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 0}),
+            ("w4a16 gemv, thread sums", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 32}),
             ("fp8 gemv", K._float_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "SCALED": True,
                                                                           "THREAD_K": 0}),
             ("fp8 gemv, thread sums", K._float_gemv_kernel, pointers(x, "*fp8e4nv"),
