@@ -196,7 +196,8 @@ def w4a16_decode(
             raise ValueError(f"INT4 thread_k {config.thread_k} must be a multiple of 8 (whole words) dividing "
                              f"the {chunk} channels of a group within a step")
         return _launch(_w4a16_gemv_kernel, config, x, out, n, k, (words, scales, zeros, pqs),
-                       (words.stride(0), scales.stride(0)), CHUNK=chunk, THREAD_K=config.thread_k, **constants)
+                       (words.stride(0), scales.stride(0)), CHUNK=chunk, THREAD_K=config.thread_k,
+                       SUBNORMAL=config.subnormal_codes, **constants)
     dot = _dot_config("int4", x, n, group_size) if config.fma else config
     if group_size % dot.block_k:
         raise ValueError(f"the INT4 tl.dot kernels step within one group: block_k {dot.block_k} must divide "
@@ -236,12 +237,16 @@ FP8_FORMAT = "fp8"
 INT4_FORMAT = "int4"
 
 
-def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0) -> dict[str, DecodeConfig]:
-    """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16)."""
-    suffix = f" t{thread_k}" if thread_k else ""
+def _tiles(
+    tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0, subnormal_codes: bool = False,
+) -> dict[str, DecodeConfig]:
+    """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16,
+    " sn" with INT4 codes read as subnormal floats)."""
+    suffix = (f" t{thread_k}" if thread_k else "") + (" sn" if subnormal_codes else "")
     return {
         f"n{n} k{k} w{w}{suffix}": DecodeConfig(
-            fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages, thread_k=thread_k
+            fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages, thread_k=thread_k,
+            subnormal_codes=subnormal_codes,
         )
         for n, k, w in tiles
     }
@@ -265,6 +270,9 @@ INT4_TACTICS = {
     **_tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4), (128, 256, 8)),
              stages=2),
     **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8), (64, 128, 4)), stages=2, thread_k=32),
+    **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (64, 128, 4)), stages=2, subnormal_codes=True),
+    **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8), (64, 128, 4)), stages=2, thread_k=32,
+             subnormal_codes=True),
 }
 TACTICS = {FP8_FORMAT: FP8_TACTICS, INT4_FORMAT: INT4_TACTICS}
 

@@ -49,6 +49,9 @@ class DecodeConfig:
     # accumulators per row instead of one per weight; 0 keeps one per weight. Fewer registers let more
     # programs (and their loads) stay resident on an SM.
     thread_k: int = 0
+    # INT4 GEMV: read each code as a subnormal float32 (one AND per weight, no shift and no constant
+    # to take out; quant_gemm_decode_kernels.py) instead of writing it under 1.0's exponent.
+    subnormal_codes: bool = False
 
     def __post_init__(self) -> None:
         if self.thread_k and (self.thread_k & (self.thread_k - 1) or self.block_k % self.thread_k):
@@ -56,7 +59,8 @@ class DecodeConfig:
 
     def describe(self) -> dict[str, int | bool]:
         return {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k,
+                "subnormal_codes": self.subnormal_codes}
 
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the

@@ -261,6 +261,30 @@ def _int4_dot_words(w, x0, x1, x2, x3, x4, x5, x6, x7):
     return acc
 
 
+# Subnormal codes: the nibbles at bits 4j..4j+3 < 23 of a word, masked out and read as float32 bits,
+# are q 2^(4j - 149) exactly (exponent field 0); nibbles 5..7 are read the same way at bits 8..19 of the
+# word shifted right by 12. One AND per weight, no shift (but one per word), no constant to add; x's
+# phases are multiplied by 2^(64 - 4j) (or 2^(56 - ...)) so that every product is q x 2^-85, a normal
+# number for 2^-41 < |x| < 2^63, and the sum is scaled back by 2^85 with the group's scale.
+SUBNORMAL_PRODUCT_EXP = 85
+
+
+@triton.jit
+def _int4_dot_words_subnormal(w, x0, x1, x2, x3, x4, x5, x6, x7):
+    """sum over each word's 8 channels of q_j 2^-149 2^offset_j x'_j (see above): int32 words ``w`` [BLOCK_N, C, W],
+    phases ``x'_j`` [C, W] already scaled; one FMA chain per word."""
+    acc = (w & 0xF).to(tl.float32, bitcast=True) * x0[None, :, :]
+    acc += (w & 0xF0).to(tl.float32, bitcast=True) * x1[None, :, :]
+    acc += (w & 0xF00).to(tl.float32, bitcast=True) * x2[None, :, :]
+    acc += (w & 0xF000).to(tl.float32, bitcast=True) * x3[None, :, :]
+    acc += (w & 0xF0000).to(tl.float32, bitcast=True) * x4[None, :, :]
+    high = w >> 12  # nibbles 5..7 at bits 8..19 (what the shift brings in above them is masked off)
+    acc += (high & 0xF00).to(tl.float32, bitcast=True) * x5[None, :, :]
+    acc += (high & 0xF000).to(tl.float32, bitcast=True) * x6[None, :, :]
+    acc += (high & 0xF0000).to(tl.float32, bitcast=True) * x7[None, :, :]
+    return acc
+
+
 @triton.jit
 def _int4_x(x_row, pqs_ptr, word_k, K, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr):
     """One row of x at the channels of words starting at ``word_k`` [C, W]: [C, W, 8] float32, one 16-byte
@@ -298,16 +322,23 @@ def _phases(x):
 
 
 @triton.jit
-def _int4_row_step(acc, words, x, a, b, THREAD_WORDS: tl.constexpr):
+def _int4_row_step(acc, words, x, a, b, THREAD_WORDS: tl.constexpr, SUBNORMAL: tl.constexpr):
     """``acc`` [BLOCK_N, C, W / THREAD_WORDS] plus one step's INT4 products with one row of x ([C, W, 8]).
 
     Per word, ``sum x (q - z) s = a sum x (1 + q/16) - b sum x`` with ``a = 16 s`` and ``b = (16 + z) s``
     of the word's group ([BLOCK_N, C, 1]); with THREAD_WORDS > 1 the sums of each run of that many words
     (one 16-byte load, in one thread and one group) are added in registers before the scale is applied.
+    SUBNORMAL reads the codes as subnormal floats (``_int4_dot_words_subnormal``), with a = s 2^85, b = z s.
     """
     x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2, 2)))
     x_sum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
-    dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
+    if SUBNORMAL:  # here a = s 2^85 and b = z s: sum x (q - z) s = a dots - b sum x
+        dots = _int4_dot_words_subnormal(words, x0 * 1.8446744073709552e19, x1 * 1.152921504606847e18,
+                                         x2 * 7.205759403792794e16, x3 * 4503599627370496.0,
+                                         x4 * 281474976710656.0, x5 * 7.205759403792794e16,
+                                         x6 * 4503599627370496.0, x7 * 281474976710656.0)
+    else:
+        dots = _int4_dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7)
     if THREAD_WORDS > 1:
         dots = tl.sum(tl.reshape(dots, (dots.shape[0], dots.shape[1], dots.shape[2] // THREAD_WORDS, THREAD_WORDS)),
                       axis=3)
@@ -336,6 +367,7 @@ def _w4a16_gemv_kernel(
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, CHUNK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, THREAD_K: tl.constexpr,
+    SUBNORMAL: tl.constexpr,
 ):
     # w_ptr: the packed weight as int32 words [N, K / 8]; stride_wn in words. A step of BLOCK_K channels
     # is C = BLOCK_K / CHUNK chunks of CHUNK = min(GROUP, BLOCK_K) channels, each in one group, of W words.
@@ -383,14 +415,18 @@ def _w4a16_gemv_kernel(
                                                GROUP, EVEN_K)
             cur_x0, cur_x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS, HAS_PQS, EVEN_K)
         scale32 = cur_scale.to(tl.float32)
-        a = (16.0 * scale32)[:, :, None]
-        b = ((16.0 + cur_zero.to(tl.float32)) * scale32)[:, :, None]
-        acc0 = _int4_row_step(acc0, current, cur_x0, a, b, THREAD_WORDS)
+        if SUBNORMAL:
+            a = (3.8685626227668134e25 * scale32)[:, :, None]  # 2^85 s
+            b = (cur_zero.to(tl.float32) * scale32)[:, :, None]
+        else:
+            a = (16.0 * scale32)[:, :, None]
+            b = ((16.0 + cur_zero.to(tl.float32)) * scale32)[:, :, None]
+        acc0 = _int4_row_step(acc0, current, cur_x0, a, b, THREAD_WORDS, SUBNORMAL)
         if ROWS >= 2:
-            acc1 = _int4_row_step(acc1, current, cur_x1, a, b, THREAD_WORDS)
+            acc1 = _int4_row_step(acc1, current, cur_x1, a, b, THREAD_WORDS, SUBNORMAL)
         for m in tl.static_range(2, ROWS):  # rows past two: summed every step (registers stay bounded)
             x_m = _int4_x(x_ptr + m * stride_xm, pqs_ptr, word_k, K, HAS_PQS, EVEN_K)
-            part = _int4_row_step(tl.zeros_like(acc0), current, x_m, a, b, THREAD_WORDS)
+            part = _int4_row_step(tl.zeros_like(acc0), current, x_m, a, b, THREAD_WORDS, SUBNORMAL)
             acc_rows += tl.where(rm[:, None] == m, tl.sum(tl.sum(part, axis=2), axis=1)[None, :], 0.0)
     acc = acc_rows + tl.where(rm[:, None] == 0, tl.sum(tl.sum(acc0, axis=2), axis=1)[None, :], 0.0)
     if ROWS >= 2:
