@@ -196,8 +196,7 @@ def w4a16_decode(
             raise ValueError(f"INT4 thread_k {config.thread_k} must be a multiple of 8 (whole words) dividing "
                              f"the {chunk} channels of a group within a step")
         return _launch(_w4a16_gemv_kernel, config, x, out, n, k, (words, scales, zeros, pqs),
-                       (words.stride(0), scales.stride(0)), CHUNK=chunk, THREAD_K=config.thread_k,
-                       SUBNORMAL=config.subnormal_codes, **constants)
+                       (words.stride(0), scales.stride(0)), CHUNK=chunk, THREAD_K=config.thread_k, **constants)
     dot = _dot_config("int4", x, n, group_size) if config.fma else config
     if group_size % dot.block_k:
         raise ValueError(f"the INT4 tl.dot kernels step within one group: block_k {dot.block_k} must divide "
@@ -237,16 +236,12 @@ FP8_FORMAT = "fp8"
 INT4_FORMAT = "int4"
 
 
-def _tiles(
-    tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0, subnormal_codes: bool = False,
-) -> dict[str, DecodeConfig]:
-    """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16,
-    " sn" with INT4 codes read as subnormal floats)."""
-    suffix = (f" t{thread_k}" if thread_k else "") + (" sn" if subnormal_codes else "")
+def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int = 0) -> dict[str, DecodeConfig]:
+    """Named one-row GEMV tiles (block_n, block_k, num_warps), e.g. "n32 k256 w4" (" t16" with thread_k 16)."""
+    suffix = f" t{thread_k}" if thread_k else ""
     return {
         f"n{n} k{k} w{w}{suffix}": DecodeConfig(
-            fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages, thread_k=thread_k,
-            subnormal_codes=subnormal_codes,
+            fma=True, block_n=n, block_k=k, num_warps=w, num_stages=stages, thread_k=thread_k
         )
         for n, k, w in tiles
     }
@@ -260,7 +255,9 @@ def _tiles(
 # split of K into 8, also timed there, never won and was dropped). INT4 keeps one accumulator per
 # word (8 weights), or ("t32") per 16-byte load of four words, and prefetches the next step's words:
 # at 128 weights a thread the per-load sums take 128 registers instead of 168 (three 4-warp programs
-# an SM become four), with the same instructions per weight (compiled sm_90 loops).
+# an SM become four), with the same instructions per weight (compiled sm_90 loops). With the codes
+# read as subnormal floats, " t32" tiles won qkv, gate_up, down and the LM head shape on an H200
+# (bench/results/h200_batch1_W4A16_AWQ_int4_subnormal_llama8b.json, where such tiles were named " sn").
 FP8_TACTICS = {
     **_tiles(((32, 256, 4), (16, 512, 4), (64, 256, 8), (32, 512, 8), (16, 256, 4), (32, 128, 4), (64, 128, 4)),
              stages=1),
@@ -270,9 +267,6 @@ INT4_TACTICS = {
     **_tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4), (128, 256, 8)),
              stages=2),
     **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8), (64, 128, 4)), stages=2, thread_k=32),
-    **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (64, 128, 4)), stages=2, subnormal_codes=True),
-    **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8), (64, 128, 4)), stages=2, thread_k=32,
-             subnormal_codes=True),
 }
 TACTICS = {FP8_FORMAT: FP8_TACTICS, INT4_FORMAT: INT4_TACTICS}
 

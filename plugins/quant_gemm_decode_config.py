@@ -49,9 +49,6 @@ class DecodeConfig:
     # accumulators per row instead of one per weight; 0 keeps one per weight. Fewer registers let more
     # programs (and their loads) stay resident on an SM.
     thread_k: int = 0
-    # INT4 GEMV: read each code as a subnormal float32 (one AND per weight, no shift and no constant
-    # to take out; quant_gemm_decode_kernels.py) instead of writing it under 1.0's exponent.
-    subnormal_codes: bool = False
 
     def __post_init__(self) -> None:
         if self.thread_k and (self.thread_k & (self.thread_k - 1) or self.block_k % self.thread_k):
@@ -59,18 +56,18 @@ class DecodeConfig:
 
     def describe(self) -> dict[str, int | bool]:
         return {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k,
-                "subnormal_codes": self.subnormal_codes}
+                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
 
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the
 # compiled kernels' inner loops on sm_90 (instructions per weight read): the
-# INT4 GEMV costs about 4.6 at one row, its tl.dot kernel about 6.4 (10 with
+# INT4 GEMV costs about 3.4-3.6 at one row (4.6 before its codes were read as
+# subnormal floats), its tl.dot kernel about 6.4 (10 with
 # the AWQ input scale); the INT8 and FP8 GEMVs about 5.5 and 3.2 at one row,
 # their tl.dot kernels about 4.2-4.4 at any row count. At HBM speed an H200
 # can spend about 3.9 per INT4 weight and 7.8 per INT8/FP8 weight, so INT8 and
 # FP8 are bandwidth-bound either way. The INT4 GEMV is not: on an H200 its
-# gate_up projection streams at about 40% of the copy bandwidth, its
+# gate_up projection streams at about half the copy bandwidth (2.1 TB/s), its
 # arithmetic, its reads of x and its loop's loads each taking a share.
 # bench/quant_gemm_kernels.py measures both.
 FMA_MAX_ROWS = {"int8": 1, "int4": 2, "fp8": 1}

@@ -76,10 +76,9 @@ W4_CASES = [
     # per-load sums of four words: a short last group over 3 splits; groups of 32 at three rows (one run a group)
     (1, 712, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=3, num_stages=2, thread_k=32)),
     (3, 192, 33, 32, False, DecodeConfig(fma=True, block_n=16, block_k=64, split_k=1, num_stages=1, thread_k=32)),
-    # codes read as subnormal floats: a short last group over 2 splits at two rows; three rows, small groups
-    (2, 712, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=256, split_k=2, subnormal_codes=True)),
-    (3, 136, 24, 64, True, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=1, thread_k=32,
-                                         subnormal_codes=True)),
+    # a short last group over 2 splits at two rows; three rows, small groups, per-load sums
+    (2, 712, 40, 128, True, DecodeConfig(fma=True, block_n=16, block_k=256, split_k=2)),
+    (3, 136, 24, 64, True, DecodeConfig(fma=True, block_n=16, block_k=128, split_k=1, thread_k=32)),
     (1, 256, 48, 128, True, None), (3, 256, 48, 128, True, None), (16, 256, 48, 128, False, None),
 ]
 FP8_CASES = [
@@ -103,8 +102,6 @@ def _case_id(case: tuple) -> str:
     mode = "auto" if config is None else f"{'gemv' if config.fma else 'dot'}{config.block_n}x{config.block_k}s{config.split_k}"
     if config is not None and config.thread_k:
         mode += f"t{config.thread_k}"
-    if config is not None and config.subnormal_codes:
-        mode += "sn"
     return "-".join(map(str, case[:-1])) + "-" + mode
 
 
@@ -161,14 +158,14 @@ def test_every_int4_tactic_matches_reference(tactic):
 
 
 @pytest.mark.parametrize("magnitude", [1e-9, 1e4])
-def test_subnormal_int4_codes_hold_tiny_and_large_activations(magnitude):
-    """The subnormal reading keeps every product normal for 2^-41 < |x| < 2^63: activations far from 1
-    (outlier channels, near-zero rows) give the reference's result at float32 tolerance."""
+def test_int4_gemv_holds_tiny_and_large_activations(magnitude):
+    """INT4 codes read as subnormal floats keep every product normal for 2^-41 < |x| < 2^63: activations far
+    from 1 (outlier channels, near-zero rows) give the reference's result at float32 tolerance."""
     x, weight = _int4_operands(2, 576, 40)
     x = x * magnitude
     x[:, 5] *= 64.0  # one outlier channel
     for thread_k in (0, 32):
-        config = DecodeConfig(fma=True, block_n=16, block_k=128, split_k=2, thread_k=thread_k, subnormal_codes=True)
+        config = DecodeConfig(fma=True, block_n=16, block_k=128, split_k=2, thread_k=thread_k)
         _close(decode.w4a16_decode(x, *weight, config=config), gemm_w4a16(x, *weight), torch.float32)
 
 
@@ -357,9 +354,9 @@ for x in ("*bf16", "*fp16"):
         cases += [
             ("w8a16 gemv", K._w8a16_gemv_kernel, pointers(x, "*i32"), {**gemv, **rows_c}),
             ("w4a16 gemv", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
-             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 0, "SUBNORMAL": False}),
-            ("w4a16 gemv, thread sums, subnormal codes", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
-             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 32, "SUBNORMAL": True}),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 0}),
+            ("w4a16 gemv, thread sums", K._w4a16_gemv_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
+             {**gemv, **rows_c, "GROUP": 128, "HAS_PQS": True, "CHUNK": 128, "THREAD_K": 32}),
             ("fp8 gemv", K._float_gemv_kernel, pointers(x, "*fp8e4nv"), {**gemv, **rows_c, "SCALED": True,
                                                                           "THREAD_K": 0}),
             ("fp8 gemv, thread sums", K._float_gemv_kernel, pointers(x, "*fp8e4nv"),
