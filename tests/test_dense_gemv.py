@@ -195,7 +195,8 @@ def test_tactics_are_timed_per_row_class(fresh_tactics):
     for key, entry in report.items():
         rows = int(key.split("@")[1]) if "@" in key else 1
         assert set(entry["timings_us"]) == {gemv.CUBLAS, *(gemv.DOT_TACTICS if rows == 16 else gemv.TACTICS)}
-        assert entry["tactic"] == min(entry["timings_us"], key=entry["timings_us"].get)
+        # The report rounds to 0.01 us; the pick is made before rounding, so two tiles may tie in the report.
+        assert entry["timings_us"][entry["tactic"]] == min(entry["timings_us"].values())
         n, k = (int(v) for v in key.split("@")[0].split("x"))
         assert gemv_tactics.lookup("dense", n, k, rows) == entry["tactic"]
         x, w = _operands(rows, n, k, torch.bfloat16)

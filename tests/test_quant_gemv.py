@@ -215,8 +215,9 @@ def test_gemv_tactics_are_timed_per_shape_and_installed(monkeypatch, fmt):
     report = tune([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16)
     assert set(report) == {"1024x4096", "4096x1024"}
     for key, entry in report.items():
-        assert set(entry["timings_us"]) == set(decode.TACTICS[fmt])
-        assert entry["tactic"] == min(entry["timings_us"], key=entry["timings_us"].get)
+        assert set(entry["timings_us"]) == set(decode.TACTICS[fmt]) and "failed" not in entry
+        # The report rounds to 0.01 us; the pick is made before rounding, so two tiles may tie in the report.
+        assert entry["timings_us"][entry["tactic"]] == min(entry["timings_us"].values())
         assert gemv_tactics.lookup(fmt, *map(int, key.split("x"))) == entry["tactic"]
 
 
