@@ -253,7 +253,7 @@ def _tiles(tiles: tuple[tuple[int, int, int], ...], stages: int, thread_k: int =
 # needs 56-68 registers at 64 weights a thread, so wider tiles fit. On an H200 they won Llama-3.1-8B's
 # qkv, gate_up and down projections (bench/results/h200_batch1_fp8_thread_sums_llama8b.json; a fixed
 # split of K into 8, also timed there, never won and was dropped). INT4 keeps one accumulator per
-# word (8 weights), or ("t32") per 16-byte load of four words (7% fewer instructions per weight in the
+# word (8 weights), or ("t32") per 16-byte load of four words (5% fewer instructions per weight in the
 # compiled sm_90 loop), and prefetches the next step's words. On an H200 " t32" tiles won qkv, gate_up,
 # down and the LM head shape, the others o (bench/results/h200_batch1_W4A16_AWQ_int4_subnormal_llama8b.json,
 # where these tiles are the ones named " sn").
