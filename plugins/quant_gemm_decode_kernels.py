@@ -320,10 +320,13 @@ def _int4_row_step(acc, words, x, a, b, THREAD_WORDS: tl.constexpr):
     dots = _int4_dot_words(words, x0 * 1.8446744073709552e19, x1 * 1.152921504606847e18, x2 * 7.205759403792794e16,
                            x3 * 4503599627370496.0, x4 * 281474976710656.0, x5 * 7.205759403792794e16,
                            x6 * 4503599627370496.0, x7 * 281474976710656.0)
-    if THREAD_WORDS > 1:
-        dots = tl.sum(tl.reshape(dots, (dots.shape[0], dots.shape[1], dots.shape[2] // THREAD_WORDS, THREAD_WORDS)),
-                      axis=3)
-        x_sum = tl.sum(tl.reshape(x_sum, (x_sum.shape[0], x_sum.shape[1] // THREAD_WORDS, THREAD_WORDS)), axis=2)
+    if THREAD_WORDS > 1:  # runs never cross a chunk: W is a multiple of THREAD_WORDS
+        rows: tl.constexpr = dots.shape[0]
+        chunks: tl.constexpr = dots.shape[1]
+        words_per_chunk: tl.constexpr = dots.shape[2]
+        dots = tl.reshape(_thread_sums(tl.reshape(dots, (rows, chunks * words_per_chunk)), THREAD_WORDS),
+                          (rows, chunks, words_per_chunk // THREAD_WORDS))
+        x_sum = _thread_sums(x_sum, THREAD_WORDS)
     return acc + a * dots - b * x_sum[None, :, :]
 
 
