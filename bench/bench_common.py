@@ -90,7 +90,11 @@ def git_info() -> dict:
 
     try:
         return {"commit": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "--porcelain"))}
-    except Exception as exc:  # not a checkout, git missing
+    except Exception as exc:  # not a checkout (a tree copied to a GPU machine), or git missing
+        # Whoever copies a tree without its history can say which commit it is.
+        source = os.environ.get("INFLIGHT_SOURCE_COMMIT")
+        if source:
+            return {"commit": source, "dirty": None, "note": "tree copied without git history; commit from INFLIGHT_SOURCE_COMMIT"}
         return {"commit": None, "dirty": None, "error": str(exc)}
 
 
