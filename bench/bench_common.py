@@ -88,13 +88,14 @@ def git_info() -> dict:
     def run(*cmd: str) -> str:
         return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
 
+    # A tree copied to another machine may carry no history, or a stale one: whoever copied it
+    # names its commit.
+    source = os.environ.get("INFLIGHT_SOURCE_COMMIT")
+    if source:
+        return {"commit": source, "dirty": None, "note": "a copied tree; its commit as given by INFLIGHT_SOURCE_COMMIT"}
     try:
         return {"commit": run("git", "rev-parse", "HEAD"), "dirty": bool(run("git", "status", "--porcelain"))}
-    except Exception as exc:  # not a checkout (a tree copied to a GPU machine), or git missing
-        # Whoever copies a tree without its history can say which commit it is.
-        source = os.environ.get("INFLIGHT_SOURCE_COMMIT")
-        if source:
-            return {"commit": source, "dirty": None, "note": "tree copied without git history; commit from INFLIGHT_SOURCE_COMMIT"}
+    except Exception as exc:  # not a checkout, or git missing
         return {"commit": None, "dirty": None, "error": str(exc)}
 
 

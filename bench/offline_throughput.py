@@ -479,14 +479,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.peer_batches:
             run_peer(args, config, result)
             save()
-        if "inprocess" in paths:
-            run_inprocess(args, engine_dir, config, result)
+        # The paths that start service processes go first: their processes give the GPU back when
+        # they exit, while this process may keep some of what its in-process engine took.
+        if "grpc" in paths:
+            run_grpc(args, engine_dir, config, result)
             save()
         if "split" in paths:
             run_split(args, engine_dir, config, result)
             save()
-        if "grpc" in paths:
-            run_grpc(args, engine_dir, config, result)
+        if "inprocess" in paths:
+            run_inprocess(args, engine_dir, config, result)
     finally:
         peer64 = result.get("peer", {}).get("batches", {}).get("64")
         inproc = result["inprocess"].get("128x128")
