@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--kv-cache-gb", type=float, default=0.0)
     p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
+    p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
+    p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--server-log", default="")
     p.add_argument("--startup-timeout", type=float, default=600.0)
