@@ -131,7 +131,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
     import torch
 
     from executor_svc.engine import RuntimeConfig, load_engine
-    from inflight.gc_tuning import settle_garbage_collector
+    from inflight.gc_tuning import release_garbage_collector, settle_garbage_collector
     from inflight.inprocess import InProcessExecutor
     from scheduler_svc.api_types import GenerationRequest
     from scheduler_svc.engine_loop import AsyncEngine
@@ -158,6 +158,13 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
         if not args.keep_gc_defaults:
             settle_garbage_collector()  # as the LLM API and the services do once loaded
         return async_engine, executor
+
+    async def stop(async_engine: AsyncEngine) -> None:
+        await async_engine.stop()
+        if not args.keep_gc_defaults:
+            # As the LLM API's shutdown does: frozen objects are never collected as cycles, so
+            # whatever GPU memory a frozen cycle reaches would outlive this engine.
+            release_garbage_collector()
 
     def submitter(async_engine: AsyncEngine):
         async def submit(prompt: list[int], output_len: int, stream: bool):
@@ -228,7 +235,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
                     submit, timeline, in_len, out_len, "inprocess", async_engine, executor.runner)
                 Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
         finally:
-            await async_engine.stop()
+            await stop(async_engine)
         # The same scenarios one step at a time: what overlapping the host work with the GPU's buys.
         if args.no_overlap_scenarios:
             async_engine, executor = await start(overlap=False)
@@ -238,7 +245,7 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
                         submitter(async_engine), executor.runner.timeline, in_len, out_len, "inprocess, no overlap",
                         async_engine, executor.runner)
             finally:
-                await async_engine.stop()
+                await stop(async_engine)
 
     asyncio.run(main())
     if engine.decode_graphs is not None:
@@ -320,7 +327,7 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
     The in-process path runs both in one interpreter, whose lock they share; this
     path keeps the scheduler's Python (planning, updates, streaming) and the
     executor's (inputs, launches) from waiting on each other."""
-    from inflight.gc_tuning import settle_garbage_collector
+    from inflight.gc_tuning import release_garbage_collector, settle_garbage_collector
     from scheduler_svc.api_types import GenerationRequest
     from scheduler_svc.engine_loop import AsyncEngine
     from scheduler_svc.executor_client import GrpcExecutorConnection
@@ -371,6 +378,7 @@ def run_split(args, engine_dir: Path, config: dict, result: dict) -> None:
                     log(f"split {in_len}/{out_len}: {scenario['output_tokens_per_s']:.0f} output tok/s")
             finally:
                 await async_engine.stop()
+                release_garbage_collector()
 
         asyncio.run(main())
 
@@ -479,8 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.peer_batches:
             run_peer(args, config, result)
             save()
-        # The paths that start service processes go first: their processes give the GPU back when
-        # they exit, while this process may keep some of what its in-process engine took.
+        # The paths that start service processes go first: their processes give the whole GPU back
+        # when they exit, while this one keeps at least its CUDA context after the in-process path
+        # (and once, on an H200, kept so much that the gRPC executor found no room for a KV cache).
         if "grpc" in paths:
             run_grpc(args, engine_dir, config, result)
             save()

@@ -161,7 +161,10 @@ class Scheduled:
         return trace, split
 
     async def __aexit__(self, *exc: object) -> None:
+        from inflight.gc_tuning import release_garbage_collector
+
         await self.async_engine.stop()
+        release_garbage_collector()  # pairs with __aenter__'s settle, as the LLM API's shutdown does
 
 
 # --------------------------------------------------------------------------- workloads

@@ -168,7 +168,7 @@ def run_generate(args) -> dict:
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
-    from inflight.gc_tuning import settle_garbage_collector
+    from inflight.gc_tuning import release_garbage_collector, settle_garbage_collector
     from inflight.inprocess import InProcessExecutor
     from inflight.model_store import default_cache_dir
     from scheduler_svc.api_types import GenerationRequest
@@ -311,6 +311,7 @@ def run_generate(args) -> dict:
                 log(f"{mode}: batch {batch} {run['output_tokens_per_s']:.0f} tok/s")
         finally:
             await async_engine.stop()
+            release_garbage_collector()  # pairs with the settle above, as the LLM API's shutdown does
         return out
 
     # Output tokens/s per cycle, mode and batch: every cycle measures every mode again, in turn, so

@@ -183,3 +183,40 @@ def test_fused_kernels_smoke_times_the_fp8_rows_variants_against_two_kernels(tmp
     assert set(rows) == {"rope_write_kv", "swiglu", "rmsnorm_residual", "swiglu_fp8_rows", "rmsnorm_fp8_rows"}
     for name in ("swiglu_fp8_rows", "rmsnorm_fp8_rows"):
         assert rows[name]["reference"] == "triton + quantize" and rows[name]["max_abs_diff"] == 0.0
+
+
+@pytest.mark.timeout(200)
+def test_serving_rates_smoke(tmp_path: Path) -> None:
+    """bench/serving_rates.py over gRPC on the one-layer shape: Poisson arrivals at two rates, a JSON row and a plot each."""
+    out = tmp_path / "rates.json"
+    cmd = [sys.executable, str(REPO / "bench" / "serving_rates.py"), "--shape", "tiny-host", "--device", "cpu",
+           "--rates", "20,80", "--num-requests", "6", "--input-len", "16", "--output-len", "4", "--kv-cache-gb", "0.05",
+           "--server-log", str(tmp_path / "server.log"), "--output", str(out), "--plot"]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                          timeout=190)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert [row["request_rate"] for row in result["rates"]] == [20.0, 80.0]
+    for row in result["rates"]:
+        assert row["total_output_tokens"] == 6 * 4
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert row[metric]["p50"] is not None and row[metric]["p99"] is not None
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.timeout(200)
+def test_offline_throughput_smoke_runs_grpc_and_in_process(tmp_path: Path) -> None:
+    """bench/offline_throughput.py on the one-layer shape through both paths; every request's tokens arrive."""
+    out = tmp_path / "offline.json"
+    cmd = [sys.executable, str(REPO / "bench" / "offline_throughput.py"), "--shape", "tiny-host", "--device", "cpu",
+           "--scenarios", "16x8", "--grpc-scenarios", "16x8", "--paths", "inprocess,grpc", "--no-overlap-scenarios=",
+           "--peer-batches", "--num-requests", "12", "--max-batch-size", "8", "--batch1", "16", "4",
+           "--server-log", str(tmp_path / "server.log"), "--output", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "INFLIGHT_SOURCE_COMMIT": "0123abc"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["git"]["commit"] == "0123abc"  # a copied tree names its commit
+    for path in ("inprocess", "grpc"):
+        scenario = result[path]["16x8"]
+        assert scenario["num_requests"] == 12 and scenario["output_tokens_per_s"] > 0, path
