@@ -99,6 +99,23 @@ CHAT = [
 # --------------------------------------------------------------------------- generate
 
 
+# A mode may carry its own settings after colons, so that one run compares them against the same plain
+# decoding: ``ngram:k15:min1`` is prompt lookup with up to 15 drafts from suffixes of 1 to --ngram-max tokens.
+_MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds"}
+
+
+def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
+    """(the mode's name without settings, ``args`` with the settings the name carries applied)."""
+    base, *settings = name.split(":")
+    values = {}
+    for setting in settings:
+        key = setting.rstrip("0123456789")
+        if key not in _MODE_SETTINGS or key == setting:
+            raise SystemExit(f"mode {name!r}: unknown setting {setting!r} (one of {', '.join(k + 'N' for k in _MODE_SETTINGS)})")
+        values[_MODE_SETTINGS[key]] = int(setting[len(key):])
+    return base, argparse.Namespace(**{**vars(args), **values})
+
+
 def _mode_config(name: str, args):
     from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 
@@ -107,6 +124,7 @@ def _mode_config(name: str, args):
     # "draft_heads_tree": draft heads verifying trees of --draft-tree's shape (greedy requests).
     from executor_svc.speculative.draft_tree import parse_tree
 
+    name, args = _mode_settings(name, args)
     base = {"none_serial": "none", "ngram_one_round": "ngram", "draft_heads_tree": "draft_heads"}.get(name, name)
     mode = SpeculativeMode("" if base == "none" else base)
     rounds = 1 if name == "ngram_one_round" else args.speculative_rounds
@@ -178,7 +196,7 @@ def run_generate(args) -> dict:
     checkpoint, _ = resolve_model_source(args)
     # The largest batch, and at least one request's verification rows: an engine built for fewer rows
     # verifies outside its CUDA graphs and never chains rounds (h200_spec_ngram_max_batch1_smollm2.json).
-    rows = 1 + args.num_draft_tokens
+    rows = 1 + max(_mode_settings(mode, args)[1].num_draft_tokens for mode in args.modes)
     if "draft_heads_tree" in args.modes:  # a round of the tree is 1 + its nodes down to the draft length
         from executor_svc.speculative.draft_tree import DraftTree, parse_tree
 

@@ -220,3 +220,25 @@ def test_offline_throughput_smoke_runs_grpc_and_in_process(tmp_path: Path) -> No
     for path in ("inprocess", "grpc"):
         scenario = result[path]["16x8"]
         assert scenario["num_requests"] == 12 and scenario["output_tokens_per_s"] > 0, path
+
+
+@pytest.mark.timeout(200)
+def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--shape", "tiny-host", "--device", "cpu",
+        "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1", "--modes", "none,ngram,ngram:k6:min1",
+        "--output", str(out),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert list(result["modes"]) == ["none", "ngram", "ngram:k6:min1"]
+    assert result["engine"]["max_batch_size"] >= 7  # one request's rows at the largest draft length of any mode
+    for mode in result["modes"].values():
+        assert mode["batch1"]["output_tokens"] > 0 and "speedup" in mode["batch1"]
+
+    bad = subprocess.run([*cmd[:-2], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=190)
+    assert bad.returncode != 0 and "unknown setting 'q3'" in bad.stderr
