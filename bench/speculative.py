@@ -196,11 +196,12 @@ def run_generate(args) -> dict:
     checkpoint, _ = resolve_model_source(args)
     # The largest batch, and at least one request's verification rows: an engine built for fewer rows
     # verifies outside its CUDA graphs and never chains rounds (h200_spec_ngram_max_batch1_smollm2.json).
-    rows = 1 + max(_mode_settings(mode, args)[1].num_draft_tokens for mode in args.modes)
+    rows = 1 + max(_mode_config(mode, args).num_draft_tokens for mode in args.modes)
     if "draft_heads_tree" in args.modes:  # a round of the tree is 1 + its nodes down to the draft length
         from executor_svc.speculative.draft_tree import DraftTree, parse_tree
 
-        rows = 1 + DraftTree(parse_tree(args.draft_tree)).nodes_within(args.num_draft_tokens)
+        depth = _mode_config("draft_heads_tree", args).num_draft_tokens
+        rows = 1 + DraftTree(parse_tree(args.draft_tree)).nodes_within(depth)
     max_batch = args.max_batch_size or max(max(args.batch_sizes), rows)
     build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
@@ -542,8 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in (gen, cost):
         p.add_argument("--device", default="cuda")
         p.add_argument("--dtype", default="auto")
-        p.add_argument("--num-draft-tokens", type=int, default=4)
-        p.add_argument("--ngram-min", type=int, default=2)
+        p.add_argument("--num-draft-tokens", type=int, default=None, help="default: the mode's (15 for ngram, 4 otherwise)")
+        p.add_argument("--ngram-min", type=int, default=1)
         p.add_argument("--ngram-max", type=int, default=4)
         p.add_argument("--speculative-rounds", type=int, default=8, help="ngram and draft heads: most verification rounds chained per step")
         p.add_argument("--draft-tree", default="default", help="mode draft_heads_tree: the tree's shape (see inflight serve)")

@@ -34,10 +34,11 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative", default="none", choices=["none", "ngram", "draft_model", "draft_heads"],
                    help="ngram: drafts copied from the request's own tokens; draft_model: a small model of the same "
                         "tokenizer (--draft-model); draft_heads: heads trained by `inflight train-draft`")
-    g.add_argument("--num-draft-tokens", type=int, default=4, help="most draft tokens per request per step")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="most draft tokens per request per step (default: 15 for ngram, 4 otherwise)")
     g.add_argument("--draft-model", default=None,
                    help="draft_model: engine folder, model name, Hugging Face folder or .gguf (built like the target)")
-    g.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest suffix to look up")
+    g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up")
     g.add_argument("--speculative-rounds", type=int, default=8,
                    help="ngram: most verification rounds one step chains on the device, drafting each from the "

@@ -92,7 +92,7 @@ def test_device_lookup_proposes_what_the_index_proposes():
 
     rng = random.Random(1)
     for _ in range(200):
-        k, (min_n, max_n) = rng.randint(1, 8), rng.choice([(1, 3), (2, 4), (3, 3)])
+        k, (min_n, max_n) = rng.randint(1, 16), rng.choice([(1, 3), (2, 4), (3, 3)])
         seqs = [[rng.randrange(5) for _ in range(rng.randint(1, 40))] for _ in range(4)]
         width = max(map(len, seqs)) + 6
         tokens = torch.randint(0, 5, (4, width))  # junk past each length must not matter
@@ -112,7 +112,7 @@ def test_round_kernels_match_their_torch_reference():
 
     rng, device = random.Random(2), torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: interpreted
     for _ in range(12):
-        batch, k, block = rng.randint(1, 3), rng.randint(1, 8), 16
+        batch, k, block = rng.randint(1, 3), rng.randint(1, 16), 16
         min_n, max_n = rng.choice([(2, 4), (1, 3), (3, 3)])
         lens = torch.tensor([rng.randint(1, 120) for _ in range(batch)], device=device)
         history = torch.randint(0, 4, (batch, 160), device=device)  # a small vocabulary: lookups find matches
