@@ -56,6 +56,17 @@ def synthetic_prompts(count: int, length: int, seed: int, vocab: int) -> list[li
 # --------------------------------------------------------------------------- engine
 
 
+def add_engine_build_args(p: argparse.ArgumentParser) -> None:
+    """The flags ``build_engine_dir`` reads (besides the model source's, the device and the dtype), for every
+    benchmark that builds its engine with it: one list, so that no parser can miss one."""
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-num-tokens", type=int, default=8192)
+    p.add_argument("--tokens-per-block", type=int, default=32)
+    p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
+    p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
+    p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
+
+
 def build_engine_dir(args) -> tuple[Path, dict]:
     from executor_svc.build_config import BuildConfig, QuantConfig
     from executor_svc.builder import build_cached
@@ -437,18 +448,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch1", type=int, nargs=2, default=[128, 256], metavar=("IN", "OUT"))
     p.add_argument("--peer-batches", type=int, nargs="*", default=[1, 64])
     p.add_argument("--peer-lengths", type=int, nargs=2, default=[128, 128], metavar=("IN", "OUT"))
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-num-tokens", type=int, default=8192)
+    add_engine_build_args(p)
     p.add_argument("--max-seq-len", type=int, default=0, help="default: the longest scenario")
-    p.add_argument("--tokens-per-block", type=int, default=32)
     p.add_argument("--kv-cache-fraction", type=float, default=0.9)
     p.add_argument(
         "--capacity-policy", default="guaranteed_no_evict", choices=["guaranteed_no_evict", "max_utilization"],
         help="admit a request only with KV blocks for all its tokens, or optimistically (preempting when short)",
     )
-    p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
-    p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
-    p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--startup-timeout", type=float, default=600)
     p.add_argument("--server-log", default="/tmp/inflight-offline-serve.log")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import device_info, git_info, log  # noqa: E402
 from inflight_load import InflightServer, RequestTrace, one_request, trace_metrics  # noqa: E402
-from offline_throughput import build_engine_dir, synthetic_prompts  # noqa: E402
+from offline_throughput import add_engine_build_args, build_engine_dir, synthetic_prompts  # noqa: E402
 from model_shapes import add_model_source_args, default_load_format  # noqa: E402
 
 
@@ -86,13 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=200, help="requests per rate")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-num-tokens", type=int, default=8192)
-    p.add_argument("--tokens-per-block", type=int, default=32)
+    add_engine_build_args(p)
     p.add_argument("--kv-cache-gb", type=float, default=0.0)
-    p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
-    p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
-    p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
     p.add_argument("--server-arg", action="append", default=[])
     p.add_argument("--server-log", default="")
     p.add_argument("--startup-timeout", type=float, default=600.0)

@@ -288,7 +288,8 @@ class Scheduler:
                 drafts_of[request.request_id] = drafts
                 # Chained rounds verify K drafts for every request: the device looks up what the host did not.
                 num_drafts = chain_limit if chainable else len(drafts)
-                candidates.append(Candidate(request.request_id, num_drafts, request.acceptance.rate))
+                acceptance = request.acceptance
+                candidates.append(Candidate(request.request_id, num_drafts, acceptance.rate, acceptance.continuation))
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)

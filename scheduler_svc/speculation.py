@@ -8,9 +8,19 @@ draft length K that maximises expected tokens per second:
 
     goodput(K) = sum_i (1 + E_i(min(K, drafts_i))) / cost(tokens + sum_i min(K, drafts_i))
 
-where E_i(k) = a_i + a_i^2 + ... + a_i^k is the expected number of accepted
-drafts when request i accepts each draft with probability a_i (measured per
-request, a decayed count), and cost(T) is the measured wall time of a
+where E_i(k) = f_i (1 + c_i + c_i^2 + ... + c_i^(k-1)) is the expected number
+of accepted drafts when request i accepts its first draft with probability f_i
+and each later one, given the one before it was accepted, with probability c_i
+(both measured per request, as decayed counts). Drafts are accepted in runs
+rather than one by one: a prompt-lookup draft is right for as long as the
+output goes on copying the text it was found in. On SmolLM2 with the grounded
+prompts, the share of drafts accepted at each position fell from 44% at the
+first to 27% at the second and then stayed at 27-50% up to the fifteenth
+(bench/results/h200_spec_ngram_defaults_smollm2.json): past the second draft,
+nearly every draft whose predecessor stood was accepted too. One rate for
+every draft (a_i + a_i^2 + ... + a_i^k) would price a long draft at what a
+first draft is worth and keep drafts short where a long one costs no more to
+verify. cost(T) is the measured wall time of a
 generation step of T tokens, as the step loop sees it: drafting for the next
 step included, and so is what one step at a time loses against overlapped
 steps. Only generation steps are measured: a step with context chunks costs
@@ -101,25 +111,41 @@ class DraftStats:
 
 @dataclass(slots=True)
 class Acceptance:
-    """A request's per-draft acceptance rate, as decayed counts (geometric model)."""
+    """A request's acceptance of its first draft and of a draft after an accepted one, as decayed counts."""
 
-    accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-    rejected: float = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+    first_accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    first_rejected: float = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+    later_accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    later_rejected: float = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
 
     @property
     def rate(self) -> float:
-        return self.accepted / (self.accepted + self.rejected)
+        """How often the first draft is accepted."""
+        return self.first_accepted / (self.first_accepted + self.first_rejected)
+
+    @property
+    def continuation(self) -> float:
+        """How often a draft is accepted when the one before it was."""
+        return self.later_accepted / (self.later_accepted + self.later_rejected)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A verification of ``num_drafts`` drafts accepted the first ``num_accepted``."""
         if num_drafts <= 0:
             return
-        self.accepted = self.accepted * DECAY + num_accepted
-        self.rejected = self.rejected * DECAY + (1 if num_accepted < num_drafts else 0)
+        self.first_accepted = self.first_accepted * DECAY + (num_accepted > 0)
+        self.first_rejected = self.first_rejected * DECAY + (num_accepted == 0)
+        # Drafts 2..num_drafts were judged while the one before stood: the first num_accepted - 1 were accepted,
+        # and the one after them was not, unless every draft was.
+        judged = min(num_accepted, num_drafts - 1)
+        self.later_accepted = self.later_accepted * DECAY + max(num_accepted - 1, 0)
+        self.later_rejected = self.later_rejected * DECAY + (judged - max(num_accepted - 1, 0))
 
 
-def expected_accepted(rate: float, k: int) -> float:
-    """Expected accepted drafts of a chain of k, each accepted with ``rate`` given the ones before."""
-    return sum(rate**j for j in range(1, k + 1))
+def expected_accepted(rate: float, k: int, continuation: float | None = None) -> float:
+    """Expected accepted drafts of a chain of k: the first accepted with ``rate``, each later one with
+    ``continuation`` given the one before (``rate`` again when None: every draft alike)."""
+    later = rate if continuation is None else continuation
+    return rate * sum(later**j for j in range(k))
 
 
 def _bucket(num_tokens: int) -> int:
@@ -164,7 +190,8 @@ class Candidate:
 
     request_id: str
     num_drafts: int  # drafts it has, already cut to what its limits allow
-    rate: float  # its acceptance rate
+    rate: float  # how often its first draft is accepted
+    continuation: float | None = None  # how often a draft after an accepted one is (None: ``rate``)
 
 
 class DraftLengthPolicy:
@@ -237,7 +264,7 @@ class DraftLengthPolicy:
             if seconds is None:  # nothing measured yet: speculate fully once and learn
                 best_k, self.trial = self.max_draft_tokens, True
                 break
-            gains = [1 + expected_accepted(c.rate, d) for c, d in zip(candidates, drafts)]
+            gains = [1 + expected_accepted(c.rate, d, c.continuation) for c, d in zip(candidates, drafts)]
             if draining:  # the request that gains least; one without drafts gains one token a step
                 tokens = min(gains + [1.0] * bool(other_tokens))
             else:

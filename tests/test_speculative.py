@@ -739,3 +739,31 @@ def test_a_failing_proposer_costs_drafts_not_the_step(engine):
     result = runner.execute(plan)
     assert not result.request_errors and len(result.outputs[0].token_ids) == 1
     assert result.outputs[0].next_draft_token_ids == []
+
+
+def test_acceptance_learns_that_drafts_are_accepted_in_runs():
+    from scheduler_svc.speculation import Acceptance
+
+    runs = Acceptance()
+    for _ in range(30):  # a copy found and followed to the end, then a guess rejected at once
+        runs.observe(8, 8)
+        runs.observe(8, 0)
+    assert runs.rate == pytest.approx(0.5, abs=0.05) and runs.continuation > 0.95
+    assert expected_accepted(runs.rate, 8, runs.continuation) > 3.5  # one rate for all would say about 1
+    one_by_one = Acceptance()
+    for _ in range(60):
+        one_by_one.observe(4, 1)  # the first draft stands, the second never does
+    assert one_by_one.rate > 0.95 and one_by_one.continuation < 0.05
+    assert expected_accepted(0.5, 3, 0.5) == expected_accepted(0.5, 3) == pytest.approx(0.875)
+
+
+def test_where_a_longer_draft_costs_no_more_runs_of_acceptance_choose_it():
+    policy = DraftLengthPolicy(max_draft_tokens=15)
+    policy.overlap_available = False
+    for _ in range(4):  # a round of 2 to 16 rows costs the same: one tile
+        policy.observe(1, 0.010, overlapped=False, executor_seconds=0.0)
+        policy.observe(16, 0.012, overlapped=False, executor_seconds=0.0, plain=False, chained=True)
+        policy.observe(2, 0.012, overlapped=False, executor_seconds=0.0, plain=False, chained=True)
+    bursty = policy.choose([Candidate("a", 15, 0.5, 0.95)], 0, chainable=True)
+    alike = policy.choose([Candidate("a", 15, 0.5)], 0, chainable=True)
+    assert bursty == 15 and alike < 8
