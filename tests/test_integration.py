@@ -178,3 +178,27 @@ def test_generate_cli_streams_only_the_completion_to_stdout(server):
         capture_output=True, text=True, timeout=60,
     )
     assert too_high.returncode != 0 and "priority" in too_high.stderr
+
+
+def test_serve_with_prompt_lookup_defaults_matches_hf(model_dir, hf_reference):
+    """`inflight serve --speculative ngram` with no draft flags: the executor child takes prompt lookup's own
+    defaults, speculates, and the greedy tokens are still exactly transformers'."""
+    from tests.servers import ENGINE_FLAGS, spawn
+
+    port, executor_port = free_port(), free_port()
+    serve = spawn("serve", "--model", str(model_dir), "--port", str(port), "--executor-port", str(executor_port),
+                  "--speculative", "ngram", "--max-seq-len", "2048", "--max-batch-size", "16", *ENGINE_FLAGS)
+    address = f"127.0.0.1:{port}"
+    try:
+        wait_serving(address, [serve])
+        with Client(address) as client:
+            drafted = 0
+            for prompt, expected in zip(PROMPTS, hf_reference):
+                chunks = list(client.generate_stream(prompt, max_tokens=MAX_NEW_TOKENS, temperature=0.0))
+                assert [t for c in chunks for t in c.token_ids] == expected, prompt[:40]
+                drafted += chunks[-1].usage.num_draft_tokens
+            assert drafted > 0  # speculation ran
+            stats = wait_idle(client)
+            assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    finally:
+        stop(serve)
