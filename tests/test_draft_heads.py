@@ -296,3 +296,27 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
         walked.append(_greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens))
     assert served == walked
     assert sum(served) > 0  # the trained head gets some drafts right: the comparison is not of zeros
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_heads_train_through_the_lm_head_at_any_row_count(dtype):
+    """Distillation backpropagates through the target's LM head. A GPU's 16-bit head of 17 or more rows writes
+    float32 logits from its GEMM, which has no derivative: with gradients wanted, the plain GEMM runs."""
+    from executor_svc.model.llama import FLOAT32_OUT_MIN_ROWS, Linear, float32_logits
+    from plugins.kernels import Kernels
+
+    device = torch.device(TEST_DEVICE)
+    if dtype == torch.bfloat16 and device.type != "cuda":
+        pytest.skip("16-bit heads are served on a GPU")
+    gen = torch.Generator().manual_seed(0)
+    kernels = Kernels.from_names({"gemm": "triton_gemv"} if device.type == "cuda" else {}, device, dtype)
+    head = Linear(64, 500, kernels).to(device=device, dtype=dtype).requires_grad_(False)
+    head.weight.copy_(torch.randn(500, 64, generator=gen).to(device=device, dtype=dtype))
+    rows = torch.randn(FLOAT32_OUT_MIN_ROWS + 7, 64, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    logits = float32_logits(head, rows)
+    assert logits.dtype == torch.float32 and logits.requires_grad
+    logits.logsumexp(-1).sum().backward()
+    assert rows.grad is not None and torch.isfinite(rows.grad).all() and rows.grad.abs().sum() > 0
+    with torch.no_grad():  # serving: the float32-output GEMM where there is one, the same logits to rounding
+        served = float32_logits(head, rows)
+    torch.testing.assert_close(served, logits.detach(), rtol=2e-2, atol=2e-2)

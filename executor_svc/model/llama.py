@@ -92,10 +92,13 @@ def float32_logits(lm_head: Linear, hidden: torch.Tensor, out: torch.Tensor | No
     logits, reading them back and writing float32 moved twice the bytes in two kernels
     (the copy alone took 0.38 ms a step for a 128k vocabulary at 1,024 rows on an H200).
     The logits are then the GEMM's float32 sums, not those sums rounded to 16 bits.
+    That GEMM has no derivative, so anything that trains through the head (draft heads'
+    distillation) takes the plain one.
     """
     weight = lm_head.weight if isinstance(lm_head, Linear) else None  # a quantized head keeps its own GEMM
+    differentiated = torch.is_grad_enabled() and (hidden.requires_grad or (weight is not None and weight.requires_grad))
     if (
-        weight is not None and _float32_out_gemm and hidden.is_cuda and hidden.dim() == 2
+        weight is not None and _float32_out_gemm and not differentiated and hidden.is_cuda and hidden.dim() == 2
         and hidden.shape[0] >= FLOAT32_OUT_MIN_ROWS
         and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype
     ):
