@@ -17,10 +17,12 @@ output goes on copying the text it was found in. On SmolLM2 with the grounded
 prompts, the share of drafts accepted at each position fell from 44% at the
 first to 27% at the second and then stayed at 27-50% up to the fifteenth
 (bench/results/h200_spec_ngram_defaults_smollm2.json): past the second draft,
-nearly every draft whose predecessor stood was accepted too. One rate for
-every draft (a_i + a_i^2 + ... + a_i^k) would price a long draft at what a
-first draft is worth and keep drafts short where a long one costs no more to
-verify. cost(T) is the measured wall time of a
+nearly every draft whose predecessor stood was accepted too. One rate fitted
+to every draft (a_i + a_i^2 + ... + a_i^k) cannot be both a first draft's
+chance and a draft's chance inside a run: fitted to these it rated the first
+draft too high and the rest of a run too low, so a long draft seemed worth
+little more than a short one, and drafts stayed short where a long one costs
+no more to verify. cost(T) is the measured wall time of a
 generation step of T tokens, as the step loop sees it: drafting for the next
 step included, and so is what one step at a time loses against overlapped
 steps. Only generation steps are measured: a step with context chunks costs
