@@ -136,11 +136,10 @@ class Acceptance:
             return
         self.first_accepted = self.first_accepted * DECAY + (num_accepted > 0)
         self.first_rejected = self.first_rejected * DECAY + (num_accepted == 0)
-        # Drafts 2..num_drafts were judged while the one before stood: the first num_accepted - 1 were accepted,
-        # and the one after them was not, unless every draft was.
-        judged = min(num_accepted, num_drafts - 1)
+        # Drafts after the first are judged only while the one before stood: the accepted ones past the first,
+        # then one rejection, unless every draft was accepted (or the first already failed).
         self.later_accepted = self.later_accepted * DECAY + max(num_accepted - 1, 0)
-        self.later_rejected = self.later_rejected * DECAY + (judged - max(num_accepted - 1, 0))
+        self.later_rejected = self.later_rejected * DECAY + (0 < num_accepted < num_drafts)
 
 
 def expected_accepted(rate: float, k: int, continuation: float | None = None) -> float:
