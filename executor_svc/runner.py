@@ -57,6 +57,9 @@ class RequestState:
     # order: (that step, the row of this request among its sampled ids).
     pending: list[tuple[LaunchedStep, int]] = field(default_factory=list)
     num_drafts_to_propose: int = 0  # after its next sampled token (from the latest plan)
+    # What finishes it (NewRequest.stop_token_ids / max_num_tokens): lets chained rounds end early.
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_num_tokens: int = 0
     verifying: bool = False  # a launched step verifies drafts for it: its length is unknown until it finishes
 
     @property
@@ -174,6 +177,8 @@ class ModelRunner:
             num_computed_tokens=new.num_computed_tokens,
             sampling=sampling,
             num_drafts_to_propose=min(new.num_drafts_to_propose, self.max_draft_tokens),
+            stop_token_ids=list(new.stop_token_ids),
+            max_num_tokens=new.max_num_tokens,
         )
 
     # -- one step ------------------------------------------------------------
@@ -379,7 +384,8 @@ class ModelRunner:
         """Queue a step of chained verification rounds (``speculative/rounds.py``) and the copy of their tokens."""
         start_mark = self.timeline.mark() if self.timeline is not None else None
         requests = [
-            RoundsRequest(state.token_ids, state.block_table, drafts[request_id], state.sampling)
+            RoundsRequest(state.token_ids, state.block_table, drafts[request_id], state.sampling,
+                          state.stop_token_ids, state.max_num_tokens)
             for request_id, state, _ in step.scheduled
         ]
         forward_start = time.perf_counter()
@@ -389,6 +395,7 @@ class ModelRunner:
             next_drafts = min(self.max_draft_tokens, max(state.num_drafts_to_propose for _, state, _ in step.scheduled))
         step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds, next_drafts)
         rounds = step.rounds
+        step.num_rounds = rounds.num_rounds  # fewer than planned when every request finished early
         parts = [rounds.tokens.flatten(), rounds.accepted.flatten(), rounds.drafted[:-1].flatten()]
         if rounds.next_drafts is not None:
             parts.append(rounds.next_drafts.flatten())
@@ -428,6 +435,8 @@ class ModelRunner:
             if width and to_draft and to_draft[-1][0] is output:  # drafted on the device already
                 to_draft.pop()
                 output.next_draft_token_ids = next_drafts[b * width : b * width + state.num_drafts_to_propose]
+        if step.rounds.finished_early:
+            to_draft.clear()  # every request has finished: none has a next step to draft for
 
     def finish(self, step: LaunchedStep) -> StepResult:
         """Wait for ``step``'s sampled ids and apply them; returns its result."""

@@ -27,6 +27,7 @@ def plan_from_pb(msg: ex.StepPlan) -> StepPlan:
                 num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
                 block_ids=list(r.block_ids), sampling=_sampling_from_pb(r.sampling),
                 num_drafts_to_propose=r.num_drafts_to_propose,
+                stop_token_ids=list(r.stop_token_ids), max_num_tokens=r.max_num_tokens,
             )
             for r in msg.new_requests
         ],

@@ -44,6 +44,11 @@ class NewRequest:
     block_ids: list[int]
     sampling: SamplingConfig
     num_drafts_to_propose: int = 0  # for the next step, once this one samples its token
+    # Ids that finish the request once emitted (EOS unless ignored, its stop token ids; empty while
+    # min_tokens defers them), and the length at which it finishes (0 = not given). The scheduler
+    # decides finishes; with these an executor ends chained rounds once every request has finished.
+    stop_token_ids: list[int] = field(default_factory=list)
+    max_num_tokens: int = 0
 
 
 @dataclass(slots=True)

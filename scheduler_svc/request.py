@@ -110,6 +110,17 @@ class Request:
             and not (s.min_tokens > 0 and s.min_tokens_blocked_ids)
         )
 
+    @property
+    def finishing_token_ids(self) -> list[int]:
+        """Ids that ``check_token_stop`` stops at for any token from the next on (none while min_tokens defers them)."""
+        stopping = self.stopping
+        if len(self.output_token_ids) + 1 < stopping.min_tokens:
+            return []
+        ids = set(stopping.stop_token_ids)
+        if not stopping.ignore_eos:
+            ids |= self.eos_token_ids
+        return sorted(ids)
+
     def check_token_stop(self, token: int) -> FinishReason | None:
         """Stop conditions decided by token ids alone (stop strings need text)."""
         num_output = len(self.output_token_ids)

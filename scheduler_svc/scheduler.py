@@ -467,6 +467,8 @@ class Scheduler:
             block_ids=list(self.kv.block_table(request.request_id)),
             sampling=request.sampling,
             num_drafts_to_propose=item.propose,
+            stop_token_ids=request.finishing_token_ids,
+            max_num_tokens=min(request.max_total_tokens, self.config.max_seq_len),
         )
 
     def _judged(self, request: Request, output: RequestOutput) -> None:
@@ -474,12 +476,14 @@ class Scheduler:
         scheduled, rounds = request.num_scheduled_drafts, request.num_scheduled_rounds
         # Drafts per round (a chained round of tree drafts has more rows than 1 + k).
         k = self.config.draft_length_of((scheduled + 1) // rounds) if rounds > 1 else scheduled
+        # The executor may run fewer rounds than planned (it stops once every request of the step has
+        # finished): the rounds it did not run emitted nothing.
         per_round = list(output.round_accepted[:rounds]) if rounds > 1 else [output.num_accepted_drafts]
-        per_round = [min(max(a, 0), k) for a in per_round] + [0] * (rounds - len(per_round))
+        per_round = [min(max(a, 0), k) for a in per_round]
         # Of each round's k drafts, the real guesses: the rest padded rounds whose lookup found nothing.
         drafted = list(output.round_drafted[:rounds]) if rounds > 1 else [k]
-        drafted = [min(max(d, 0), k) for d in drafted] + [k] * (rounds - len(drafted))
-        # Rows past each round's accepted prefix emitted nothing: their slots get written again.
+        drafted = [min(max(d, 0), k) for d in drafted] + [k] * (len(per_round) - len(drafted))
+        # Rows past each round's accepted prefix, and the rounds not run, emitted nothing: their slots get written again.
         request.num_computed_tokens -= scheduled + 1 - sum(a + 1 for a in per_round)
         request.num_scheduled_drafts = 0
         request.num_scheduled_rounds = 1
@@ -515,6 +519,8 @@ class Scheduler:
         seconds = seconds if seconds is not None else result.step_us / 1e6
         if generation is not None and seconds > 0:
             tokens, rounds, verified = generation  # chained rounds: each counts as a step of its share
+            if rounds > 1:  # of the rounds that ran (all requests finished may end a step early)
+                rounds = min(rounds, max((len(o.round_accepted) for o in result.outputs), default=0)) or rounds
             self.draft_policy.observe(tokens, seconds / rounds, overlapped, result.step_us / 1e6 / rounds,
                                       plain=not verified, chained=rounds > 1)
         requests = self.requests

@@ -153,6 +153,7 @@ def plan_to_pb(plan: StepPlan) -> ex.StepPlan:
                 num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens,
                 block_ids=r.block_ids, sampling=_sampling_to_pb(r.sampling),
                 num_drafts_to_propose=r.num_drafts_to_propose,
+                stop_token_ids=r.stop_token_ids, max_num_tokens=r.max_num_tokens,
             )
         )
     cached = plan.cached_requests

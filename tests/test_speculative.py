@@ -150,6 +150,36 @@ def test_round_kernels_match_their_torch_reference():
         assert torch.equal(rows_of[:batch], torch.arange(batch, device=device) * (k + 1) + accepted)
 
 
+def test_round_finished_kernel_matches_its_reference():
+    import random
+
+    from executor_svc.speculative.round_stops import round_finished_reference
+    from executor_svc.speculative.rounds_triton import round_finished
+
+    rng, device = random.Random(5), torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: interpreted
+    for _ in range(10):
+        rounds, batch, k, width = 3, rng.randint(1, 4), rng.randint(1, 16), rng.randint(1, 3)
+        tokens = torch.randint(0, 6, (rounds, batch, k + 1), device=device)  # a small vocabulary: stops get hit
+        accepted = torch.randint(0, k + 1, (rounds, batch), device=device)
+        stops = torch.randint(0, 6, (batch, width), device=device)
+        stops[:, rng.randrange(width)] = -1  # padding
+        budget = torch.randint(1, 3 * (k + 1), (batch,), device=device)
+        emitted = torch.zeros(batch, dtype=torch.int64, device=device)
+        finished = torch.zeros(batch, dtype=torch.int32, device=device)
+        emitted_ref, finished_ref = emitted.clone(), finished.clone()
+        for rnd in range(rounds):
+            round_finished(tokens, accepted, rnd, stops, budget, emitted, finished)
+            round_finished_reference(tokens[rnd], accepted[rnd], stops, budget, emitted_ref, finished_ref)
+            assert torch.equal(emitted, emitted_ref) and torch.equal(finished, finished_ref)
+    # Only emitted tokens count: a stop id past the accepted prefix does not finish the request.
+    tokens, stops, budget = torch.tensor([[[1, 9, 2]]], device=device), torch.tensor([[2]], device=device), torch.tensor([100], device=device)
+    for accepted, finished_after in ((0, 0), (1, 0), (2, 1)):
+        emitted = torch.zeros(1, dtype=torch.int64, device=device)
+        finished = torch.zeros(1, dtype=torch.int32, device=device)
+        round_finished(tokens, torch.tensor([[accepted]], device=device), 0, stops, budget, emitted, finished)
+        assert finished.item() == finished_after and emitted.item() == accepted + 1
+
+
 def _states(config: SamplingConfig, count: int, seed0: int = 0) -> list[RequestSamplingState]:
     return [
         RequestSamplingState(dataclasses.replace(config, seed=seed0 + i), [1], "cpu") for i in range(count)
@@ -264,6 +294,31 @@ def test_scheduler_chains_rounds_when_every_request_verifies_and_none_waits():
     plan = s.schedule()
     assert plan.cached_requests[0].num_rounds == 1 and plan.cached_requests[0].num_scheduled_tokens == 2
 
+
+
+def test_scheduler_takes_a_result_of_fewer_rounds_than_planned():
+    """The executor ends a step's rounds once every request finished: the rounds not run emitted nothing,
+    count for no statistics, and the step's time is spread over the rounds that ran."""
+    s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=4, adaptive_draft_length=False)
+    s.add_request(make_request("a", 6, max_tokens=40))
+    plan = s.schedule()
+    new = plan.new_requests[0]
+    assert (new.stop_token_ids, new.max_num_tokens) == ([0], 6 + 40)  # EOS, and the prompt plus max_tokens
+    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [101, 102])]))
+    plan = s.schedule()
+    assert plan.cached_requests[0].num_rounds == 4
+    seen = []
+    s.draft_policy.observe = lambda tokens, seconds, *args, **kwargs: seen.append((tokens, seconds))
+    # Two rounds ran, accepting 3 and 1 drafts; the second emitted EOS (0) and a token past it.
+    output = RequestOutput("a", [200, 201, 202, 203, 204, 0, 205], [], 4, round_accepted=[3, 1], round_drafted=[3, 3])
+    updates = s.update(StepResult(plan.step_id, [output], step_us=4000), seconds=0.004)
+    assert seen == [(4, 0.002)]  # 4 tokens a round (1 + 3), 2 ms each
+    (update,) = updates
+    assert update.new_token_ids == [200, 201, 202, 203, 204, 0] and update.finish_reason is not None
+    req = update.request
+    assert (req.num_draft_tokens, req.num_accepted_draft_tokens) == (6, 4)
+    assert s.drafts.by_position == [2, 2, 2] and s.drafts.accepted_by_position == [2, 1, 1]
+    assert s.kv.stats().num_free_blocks == s.config.num_kv_blocks  # its blocks went back
 
 def plan_after_first_step(s, request_ids: str, drafts: list[int], max_tokens: int = 40):
     """Admit ``request_ids`` (6-token prompts) to ``s``, answer their first step with one token and
@@ -703,6 +758,48 @@ def test_executor_rejects_malformed_rounds(engine):
     mixed = StepPlan(10, cached_requests=[CachedRequest("a", 4, 8, [], [5], num_rounds=2), CachedRequest("b", 4, 1)])
     result = runner.execute(mixed)
     assert "whole step" in result.request_errors["a"] and "b" not in result.request_errors
+
+
+def test_chained_rounds_end_once_every_request_has_finished(engine, tokenizer):
+    """A step of chained rounds stops after the round in which its last request emitted a stop id or reached its
+    length; it reports the rounds that ran, whose tokens are the ones the full step emits first."""
+    from executor_svc.runner import ModelRunner
+    from protos.plan import NewRequest
+
+    spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=6))
+    greedy, prompt = SamplingConfig(temperature=0.0), tokenizer.encode(COPY_PROMPTS[0])
+
+    def rounds_step(stop_token_ids=(), max_num_tokens=0, others=()):
+        """One request "a" (and ``others``, without stops) through its first token, then six chained rounds."""
+        runner, names = ModelRunner(spec), ["a", *others]
+        runner.execute(StepPlan(1, new_requests=[
+            NewRequest(name, prompt, len(prompt), 0, len(prompt), list(range(8 * i, 8 * i + 8)), greedy,
+                       stop_token_ids=list(stop_token_ids) if name == "a" else [],
+                       max_num_tokens=max_num_tokens if name == "a" else 0)
+            for i, name in enumerate(names)
+        ]))
+        cached = [CachedRequest(name, len(prompt), 6 * 5, [], [], num_rounds=6) for name in names]
+        result = runner.execute(StepPlan(2, cached_requests=cached))
+        assert not result.request_errors
+        return result.outputs[0]
+
+    full = rounds_step()
+    assert len(full.round_accepted) == 6
+    ends = [sum(a + 1 for a in full.round_accepted[: r + 1]) for r in range(6)]  # tokens emitted by each round's end
+    # A stop id emitted by the second round: no round runs after the one that first emits it (on the CPU the
+    # host sees every round's verdict at once).
+    stop = full.token_ids[ends[1] - 1]
+    ran = next(r + 1 for r in range(6) if ends[r] > full.token_ids.index(stop))
+    stopped = rounds_step(stop_token_ids=[stop, 12345])
+    assert len(stopped.round_accepted) == ran < 6 and stopped.round_accepted == full.round_accepted[:ran]
+    assert stopped.token_ids == full.token_ids[: ends[ran - 1]]
+    assert stopped.next_draft_token_ids == []  # no next step to draft for
+    # The length limit: 3 tokens more than the first step's.
+    limited = rounds_step(max_num_tokens=len(prompt) + 1 + 3)
+    ran = next(r + 1 for r in range(6) if ends[r] >= 3)
+    assert len(limited.round_accepted) == ran < 6 and limited.token_ids == full.token_ids[: ends[ran - 1]]
+    # A request of the step without stops keeps every round running.
+    assert len(rounds_step(stop_token_ids=[stop], others=["b"]).round_accepted) == 6
 
 
 def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):

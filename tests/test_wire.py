@@ -23,7 +23,10 @@ def _over_the_wire_result(result: StepResult) -> StepResult:
 def test_a_plan_survives_the_wire():
     plan = StepPlan(
         step_id=41,
-        new_requests=[NewRequest("n", [5, 6, 7], 3, 0, 3, [9], SamplingConfig(temperature=0.5, seed=3), 2)],
+        new_requests=[
+            NewRequest("n", [5, 6, 7], 3, 0, 3, [9], SamplingConfig(temperature=0.5, seed=3), 2,
+                       stop_token_ids=[2, 7], max_num_tokens=259),
+        ],
         cached_requests=[
             CachedRequest("a", 300, 1),  # the common generation step: nothing new
             CachedRequest("b", 31, 1, new_block_ids=[12]),

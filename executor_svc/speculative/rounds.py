@@ -41,6 +41,7 @@ from executor_svc.sampler import RequestSamplingState
 from executor_svc.speculative.draft_tree import DraftTree
 from executor_svc.speculative.heads_proposer import HeadsChain
 from executor_svc.speculative.ngram import ngram_drafts_on_device
+from executor_svc.speculative.round_stops import RoundStops
 from executor_svc.speculative.tree_rounds import TreeRounds
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
 from kvcache.layout import device_slots
@@ -55,6 +56,9 @@ class RoundsRequest:
     block_table: list[int]
     drafts: list[int]  # the first round's drafts (at most num_drafts)
     sampling: RequestSamplingState
+    # What finishes it (ids it stops at, the length it may reach; 0 = none): lets the rounds end early.
+    stop_token_ids: Sequence[int] = ()
+    max_num_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -67,6 +71,20 @@ class RoundsOutput:
     # (row 0: the plan's; the last row is the lookup after the last round, unused).
     drafted: torch.Tensor
     next_drafts: torch.Tensor | None = None  # [B, k'] the heads' drafts after the last round, for the next step
+    finished_early: bool = False  # every request finished before the planned rounds: fewer ran
+
+    @property
+    def num_rounds(self) -> int:
+        """Rounds that ran."""
+        return self.tokens.shape[0]
+
+    def end_early(self, stops: RoundStops | None) -> None:
+        """Keep only the rounds that ran, when ``stops`` ended them before the planned count."""
+        ran = stops.rounds_run if stops is not None else None
+        if ran is None or ran >= self.num_rounds:
+            return
+        self.tokens, self.accepted, self.drafted = self.tokens[:ran], self.accepted[:ran], self.drafted[: ran + 1]
+        self.finished_early = True
 
     @classmethod
     def empty(cls, num_rounds: int, requests: Sequence[RoundsRequest], k: int, device: torch.device) -> RoundsOutput:
@@ -161,9 +179,11 @@ class RoundsRunner:
         self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int, next_drafts: int = 0,
     ) -> RoundsOutput:
         """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; with heads, and
-        ``next_drafts`` > 0, also that many drafts per request for the next step."""
+        ``next_drafts`` > 0, also that many drafts per request for the next step. Fewer rounds run when every
+        request finishes before the last (``round_stops.py``); then nothing is drafted for a next step."""
+        stops = RoundStops.of(requests, num_rounds, self.kv_cache.device)
         if self.uses_tree(num_drafts):
-            return self.trees.run(requests, num_drafts, num_rounds, next_drafts)
+            return self.trees.run(requests, num_drafts, num_rounds, next_drafts, stops)
         rows = len(requests) * (num_drafts + 1)
         max_context = max(len(r.token_ids) for r in requests) - 1 + num_rounds * (num_drafts + 1)
         graphs = self.graphs
@@ -171,8 +191,11 @@ class RoundsRunner:
             graphs is not None and graphs.fits(rows, max_context)
             and all(r.sampling.config.is_greedy for r in requests)
         ):
-            return self._run_fused(requests, num_drafts, num_rounds, next_drafts, *graphs.bucket(rows, max_context))
-        return self._run_eager(requests, num_drafts, num_rounds, next_drafts, max_context)
+            out = self._run_fused(requests, num_drafts, num_rounds, next_drafts, stops, *graphs.bucket(rows, max_context))
+        else:
+            out = self._run_eager(requests, num_drafts, num_rounds, next_drafts, stops, max_context)
+        out.end_early(stops)
+        return out
 
     def uses_tree(self, num_drafts: int) -> bool:
         """Whether a step of ``num_drafts`` per round runs tree drafts: the heads draft a tree that deep
@@ -206,7 +229,8 @@ class RoundsRunner:
         return history, lens, drafts, tables
 
     def _run_eager(
-        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int, max_context: int,
+        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int, stops: RoundStops | None,
+        max_context: int,
     ) -> RoundsOutput:
         device = self.kv_cache.device
         batch, rows_per_request = len(requests), k + 1
@@ -231,6 +255,8 @@ class RoundsRunner:
             out.tokens[rnd] = row_tokens
             accepted = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
             out.accepted[rnd] = accepted
+            if rnd + 1 < num_rounds and stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+                break
             if self.chain is not None:  # what round_verdict writes for the heads, then their drafts
                 self.chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
                 self.chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
@@ -242,7 +268,8 @@ class RoundsRunner:
         return out
 
     def _run_fused(
-        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int, batch: int, width: int,
+        self, requests: Sequence[RoundsRequest], k: int, num_rounds: int, next_k: int, stops: RoundStops | None,
+        batch: int, width: int,
     ) -> RoundsOutput:
         from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
 
@@ -259,6 +286,8 @@ class RoundsRunner:
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
             round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes,
                           self._heads_inputs())
+            if rnd + 1 < num_rounds and stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+                break
             if self.chain is not None:
                 drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, num_requests)
         return out

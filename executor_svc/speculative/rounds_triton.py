@@ -21,8 +21,11 @@ each of two kernels:
   each request's newest token and the row whose hidden state chose it, which
   the heads read next (``heads_proposer.HeadsChain``).
 
-Both are checked against the torch reference (executor_svc/speculative/
-rounds.py) on the CPU through Triton's interpreter.
+A third, ``round_finished``, counts what each request emitted and flags the
+ones that finished, so the host can stop queueing rounds (``round_stops.py``).
+
+Each is checked against its torch reference (executor_svc/speculative/
+rounds.py, round_stops.py) on the CPU through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -113,6 +116,38 @@ def _round_verdict_kernel(
         tl.store(last_token_ptr + b, tl.sum(tl.where(j == accepted, target, 0), axis=0))
         tl.store(hidden_row_ptr + b, b * (K + 1) + accepted)
         tl.store(out_drafted_ptr + b, K)
+
+
+@triton.jit(do_not_specialize=["round_index"])
+def _round_finished_kernel(
+    tokens_ptr, accepted_ptr, stops_ptr, budget_ptr, emitted_ptr, finished_ptr, round_index,
+    K1: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    batch = tl.num_programs(0)
+    n = tl.load(accepted_ptr + round_index * batch + b) + 1  # the round emitted its accepted drafts and one more
+    j = tl.arange(0, BLOCK)
+    tokens = tl.load(tokens_ptr + (round_index * batch + b) * K1 + j, mask=j < n, other=-2)
+    s = tl.arange(0, BLOCK_S)
+    stops = tl.load(stops_ptr + b * S + s, mask=s < S, other=-1)  # -1 pads, and never equals a token (-2 pads)
+    hits = tl.sum(tl.sum(((tokens[:, None] == stops[None, :]) & (stops[None, :] >= 0)).to(tl.int32), axis=1), axis=0)
+    emitted = tl.load(emitted_ptr + b) + n
+    tl.store(emitted_ptr + b, emitted)
+    done = (tl.load(finished_ptr + b) != 0) | (hits > 0) | (emitted >= tl.load(budget_ptr + b))
+    tl.store(finished_ptr + b, done.to(tl.int32))
+
+
+def round_finished(
+    tokens: torch.Tensor, accepted: torch.Tensor, round_index: int, stops: torch.Tensor, budget: torch.Tensor,
+    emitted: torch.Tensor, finished: torch.Tensor,
+) -> None:
+    """``round_stops.round_finished_reference`` for round ``round_index`` of ``tokens`` [R, B, 1 + k] and
+    ``accepted`` [R, B] (contiguous, passed whole: see the verdict), in one program per request."""
+    batch, k1 = tokens.shape[1], tokens.shape[2]
+    _round_finished_kernel[(batch,)](
+        tokens, accepted, stops, budget, emitted, finished, round_index,
+        K1=k1, BLOCK=triton.next_power_of_2(k1), S=stops.shape[1], BLOCK_S=triton.next_power_of_2(stops.shape[1]),
+    )
 
 
 def round_inputs(

@@ -166,7 +166,9 @@ class TreeRounds:
     # -- steps --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, requests: Sequence, k: int, num_rounds: int, next_k: int):  # -> rounds.RoundsOutput
+    def run(self, requests: Sequence, k: int, num_rounds: int, next_k: int, stops=None):  # -> rounds.RoundsOutput
+        """``num_rounds`` rounds of trees of depth ``k`` (fewer when ``stops``, a ``round_stops.RoundStops``, ends
+        them), then ``next_k`` chained drafts per request for the next step unless they ended early."""
         from executor_svc.speculative.rounds import RoundsOutput
 
         t = self.tree_tensors(k)
@@ -186,10 +188,11 @@ class TreeRounds:
         sampled = _Sampled.of(requests, device)
         if graphed:
             self._run_graphed(requests, t, num_rounds, bucket, graphs.bucket(bucket * rows_per, max_context), out,
-                              sampled)
+                              sampled, stops)
         else:
-            self._run_eager(requests, t, num_rounds, out, sampled)
-        if next_k:  # the chain the plan brings back for the next step's first round
+            self._run_eager(requests, t, num_rounds, out, sampled, stops)
+        out.end_early(stops)
+        if next_k and not out.finished_early:  # the chain the plan brings back for the next step's first round
             hidden = self._last_hidden
             out.next_drafts = self.chain.draft(hidden, batch, next_k).clone()
         self._last_hidden = None
@@ -221,7 +224,9 @@ class TreeRounds:
             live=to_device([1] * len(requests) + [0] * extra, torch.int64, device),
         )
 
-    def _run_eager(self, requests: Sequence, t: TreeTensors, num_rounds: int, out, sampled: _Sampled | None) -> None:
+    def _run_eager(
+        self, requests: Sequence, t: TreeTensors, num_rounds: int, out, sampled: _Sampled | None, stops=None,
+    ) -> None:
         """Every round through the eager forward (no GPU, or rows past the CUDA graphs)."""
         batch, rows_per = len(requests), 1 + t.num_nodes
         width = max(len(r.block_table) for r in requests)
@@ -234,6 +239,8 @@ class TreeRounds:
             logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks, row_tables)
             self._judge(s, t, ids, logits, sampled)
             out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
+            if rnd + 1 < num_rounds and stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+                break
             if rnd + 1 < num_rounds:
                 nodes = self._grow(hidden, batch, t)
                 out.drafted[rnd + 1] = t.k
@@ -241,7 +248,7 @@ class TreeRounds:
 
     def _run_graphed(
         self, requests: Sequence, t: TreeTensors, num_rounds: int, bucket: int, forward: tuple[int, int], out,
-        sampled: _Sampled | None,
+        sampled: _Sampled | None, stops=None,
     ) -> None:
         graphs, batch, rows_per = self.graphs, len(requests), 1 + t.num_nodes
         rows_bucket, width = forward
@@ -272,6 +279,8 @@ class TreeRounds:
             out.accepted[rnd].copy_(s.accepted[:batch])
             if rnd + 1 < num_rounds:
                 out.drafted[rnd + 1] = t.k
+                if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+                    break
         graphs.clear_tree_masks(rows_bucket)
         self._last_hidden = graphs.graphs[(rows_bucket, width)].hidden
 
