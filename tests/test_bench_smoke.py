@@ -227,14 +227,14 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
     out = tmp_path / "spec.json"
     cmd = [
         sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--shape", "tiny-host", "--device", "cpu",
-        "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1", "--modes", "none,ngram,ngram:k6:min1",
+        "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1", "--modes", "none,ngram,ngram:k6:min1:stop0",
         "--output", str(out),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
     assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert list(result["modes"]) == ["none", "ngram", "ngram:k6:min1"]
+    assert list(result["modes"]) == ["none", "ngram", "ngram:k6:min1:stop0"]
     assert result["engine"]["max_batch_size"] >= 7  # one request's rows at the largest draft length of any mode
     for mode in result["modes"].values():
         assert mode["batch1"]["output_tokens"] > 0 and "speedup" in mode["batch1"]

@@ -48,6 +48,9 @@ class SpeculativeConfig:
     max_rounds: int = 8
     # DRAFT_HEADS: verify tree drafts of this shape (paths of guess ranks, ``draft_tree.py``); None: chains.
     draft_tree: tuple[tuple[int, ...], ...] | None = None
+    # Chained rounds stop once every request of the step has finished (``round_stops.py``); off only to
+    # measure what that gives.
+    end_rounds_early: bool = True
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is None:

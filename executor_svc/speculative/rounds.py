@@ -138,8 +138,9 @@ class RoundsRunner:
         ngram_sizes: tuple[int, int],  # (min_n, max_n) of the lookup that drafts rounds 2..R
         chain: HeadsChain | None = None,  # draft heads draft rounds 2..R (and the next step) instead
         tree: DraftTree | None = None,  # with heads: steps verify trees of this shape
+        end_early: bool = True,  # stop a step's rounds once every request has finished (round_stops.py)
     ) -> None:
-        self.model, self.kv_cache, self.graphs = model, kv_cache, graphs
+        self.model, self.kv_cache, self.graphs, self.end_early = model, kv_cache, graphs, end_early
         self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
         # With a draft tree, steps verify trees (``tree_rounds.py``).
         self.trees = (
@@ -181,7 +182,7 @@ class RoundsRunner:
         """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; with heads, and
         ``next_drafts`` > 0, also that many drafts per request for the next step. Fewer rounds run when every
         request finishes before the last (``round_stops.py``); then nothing is drafted for a next step."""
-        stops = RoundStops.of(requests, num_rounds, self.kv_cache.device)
+        stops = RoundStops.of(requests, num_rounds, self.kv_cache.device) if self.end_early else None
         if self.uses_tree(num_drafts):
             return self.trees.run(requests, num_drafts, num_rounds, next_drafts, stops)
         rows = len(requests) * (num_drafts + 1)
