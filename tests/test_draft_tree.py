@@ -398,9 +398,9 @@ def test_tree_drafts_give_the_same_greedy_tokens(engine, tokenizer, tree_heads_d
     plain, _, _ = _generate(engine, tokenizer, COPY_PROMPTS + PROMPTS[:3])
     trees, real = [], TreeRounds.run
 
-    def counting(self, requests, k, num_rounds, next_k):
+    def counting(self, requests, k, num_rounds, next_k, stops=None):
         trees.append((len(requests), k, num_rounds))
-        return real(self, requests, k, num_rounds, next_k)
+        return real(self, requests, k, num_rounds, next_k, stops)
 
     monkeypatch.setattr(TreeRounds, "run", counting)
     speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4, max_rounds=3, draft_tree=DEFAULT_TREE)
@@ -429,9 +429,9 @@ def test_sampled_requests_verify_trees_and_a_seed_repeats_their_tokens(engine, t
     greedy_plain, _, _ = _generate(engine, tokenizer, PROMPTS[:1], max_tokens=40)
     trees, real = [], TreeRounds.run
 
-    def counting(self, requests, k, num_rounds, next_k):
+    def counting(self, requests, k, num_rounds, next_k, stops=None):
         trees.append(sum(not r.sampling.config.is_greedy for r in requests))
-        return real(self, requests, k, num_rounds, next_k)
+        return real(self, requests, k, num_rounds, next_k, stops)
 
     monkeypatch.setattr(TreeRounds, "run", counting)
     speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4, max_rounds=3, draft_tree=DEFAULT_TREE)
@@ -477,3 +477,30 @@ def test_tree_drafts_refuse_sliding_window_models_and_one_round_steps(engine, tr
                                    speculative=dataclasses.replace(one_round, max_rounds=3))
     with pytest.raises(ValueError, match="sliding-window"):
         ModelRunner(windowed)
+
+
+def test_tree_rounds_end_once_every_request_has_finished(engine, tree_heads_dir):
+    """A step of tree rounds stops after the round that takes its request to its length limit, and reports the
+    rounds that ran: the first tokens of the full step."""
+    from executor_svc.runner import ModelRunner
+    from protos.plan import CachedRequest, NewRequest, SamplingConfig, StepPlan
+
+    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4, max_rounds=5, draft_tree=DEFAULT_TREE)
+    spec = dataclasses.replace(_with_tree_graphs(engine), engine_dir=tree_heads_dir, speculative=speculative)
+    greedy, prompt = SamplingConfig(temperature=0.0), list(range(10, 30))
+
+    def tree_step(max_num_tokens: int):
+        runner = ModelRunner(spec)
+        runner.execute(StepPlan(1, new_requests=[
+            NewRequest("r", prompt, 20, 0, 20, list(range(8)), greedy, max_num_tokens=max_num_tokens),
+        ]))
+        result = runner.execute(StepPlan(2, cached_requests=[CachedRequest("r", 20, 5 * 8, [], [], 0, 5)]))
+        assert not result.request_errors
+        return result.outputs[0]
+
+    full = tree_step(0)
+    assert len(full.round_accepted) == 5
+    ends = [sum(a + 1 for a in full.round_accepted[: r + 1]) for r in range(5)]
+    limited = tree_step(len(prompt) + 1 + 2)  # two tokens after the first step's
+    ran = next(r + 1 for r in range(5) if ends[r] >= 2)
+    assert len(limited.round_accepted) == ran < 5 and limited.token_ids == full.token_ids[: ends[ran - 1]]

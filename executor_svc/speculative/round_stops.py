@@ -2,9 +2,9 @@
 
 The host queues a step's R rounds at once and reads their tokens back with one
 copy (``rounds.py``). A request that emits its end-of-sequence token in round 2
-of 8 would still run rounds 3 to 8, and its caller would wait for them: at
-batch 1 with prompt lookup a request of a hundred tokens spends about one
-round in six that way, and its last tokens arrive that much later.
+of 8 would still run rounds 3 to 8, and its caller would wait for them: its
+last tokens arrive that much later, and the device computes rounds nobody reads.
+At batch 1 every request ends that way once.
 
 So after each round one small kernel counts what every request emitted and
 marks it finished when it emitted one of its stop ids
