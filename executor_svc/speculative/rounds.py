@@ -153,7 +153,7 @@ class RoundsRunner:
         """Compile the round kernels for each draft length now (engine load) rather than at a first step."""
         if self.graphs is None:
             return
-        from executor_svc.speculative.rounds_triton import round_inputs, round_verdict
+        from executor_svc.speculative.rounds_triton import round_finished, round_inputs, round_verdict
 
         device = self.kv_cache.device
         if self.chain is not None:
@@ -171,6 +171,10 @@ class RoundsRunner:
                           torch.zeros((1, 1), dtype=torch.int64, device=device),
                           torch.zeros((2, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes,
                           self._heads_inputs())
+            if self.end_early:
+                one = torch.ones(1, dtype=torch.int64, device=device)
+                round_finished(rows[0].view(1, 1, k + 1), one.view(1, 1), 0, one.view(1, 1), one, torch.zeros_like(one),
+                               torch.zeros(1, dtype=torch.int32, device=device))
 
     def _heads_inputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.chain is None else (self.chain.last_tokens, self.chain.hidden_rows)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 BLOCK_POSITIONS = 1024  # history positions one loop iteration of the lookup compares
+MIN_STOP_BLOCK = 8  # stop ids one program compares at least (a request rarely has more: one compilation)
 
 
 # Strides change with every step's lengths: not specialised on, so each draft length compiles once.
@@ -118,10 +119,12 @@ def _round_verdict_kernel(
         tl.store(out_drafted_ptr + b, K)
 
 
-@triton.jit(do_not_specialize=["round_index"])
+# The row width and the stop-id count are plain arguments: one compilation per power-of-two block, which
+# the engine's warm-up makes, rather than one per draft length and stop-id count in the middle of serving.
+@triton.jit(do_not_specialize=["round_index", "K1", "S"])
 def _round_finished_kernel(
-    tokens_ptr, accepted_ptr, stops_ptr, budget_ptr, emitted_ptr, finished_ptr, round_index,
-    K1: tl.constexpr, BLOCK: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
+    tokens_ptr, accepted_ptr, stops_ptr, budget_ptr, emitted_ptr, finished_ptr, round_index, K1, S,
+    BLOCK: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     batch = tl.num_programs(0)
@@ -143,10 +146,10 @@ def round_finished(
 ) -> None:
     """``round_stops.round_finished_reference`` for round ``round_index`` of ``tokens`` [R, B, 1 + k] and
     ``accepted`` [R, B] (contiguous, passed whole: see the verdict), in one program per request."""
-    batch, k1 = tokens.shape[1], tokens.shape[2]
+    batch, k1, num_stops = tokens.shape[1], tokens.shape[2], stops.shape[1]
     _round_finished_kernel[(batch,)](
-        tokens, accepted, stops, budget, emitted, finished, round_index,
-        K1=k1, BLOCK=triton.next_power_of_2(k1), S=stops.shape[1], BLOCK_S=triton.next_power_of_2(stops.shape[1]),
+        tokens, accepted, stops, budget, emitted, finished, round_index, k1, num_stops,
+        BLOCK=triton.next_power_of_2(k1), BLOCK_S=max(MIN_STOP_BLOCK, triton.next_power_of_2(num_stops)),
     )
 
 
