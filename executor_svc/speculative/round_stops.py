@@ -75,7 +75,10 @@ class RoundStops:
     def after_round(self, rnd: int, tokens: torch.Tensor, accepted: torch.Tensor) -> bool:
         """Count round ``rnd``'s output (``tokens`` [R, B, 1 + k] and ``accepted`` [R, B], every round's) and say
         whether to queue no more rounds: every request had finished by round ``rnd - LOOKBEHIND`` (on a GPU)
-        or by round ``rnd`` (on the CPU, which runs each round before the host goes on)."""
+        or by round ``rnd`` (on the CPU, which runs each round before the host goes on). After the last planned
+        round there is nothing to decide."""
+        if rnd + 1 >= len(self.flags):
+            return False
         if self.on_gpu:
             from executor_svc.speculative.rounds_triton import round_finished
 

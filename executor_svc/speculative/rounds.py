@@ -260,7 +260,7 @@ class RoundsRunner:
             out.tokens[rnd] = row_tokens
             accepted = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
             out.accepted[rnd] = accepted
-            if rnd + 1 < num_rounds and stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+            if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
             if self.chain is not None:  # what round_verdict writes for the heads, then their drafts
                 self.chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
@@ -291,7 +291,7 @@ class RoundsRunner:
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
             round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes,
                           self._heads_inputs())
-            if rnd + 1 < num_rounds and stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+            if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
             if self.chain is not None:
                 drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, num_requests)

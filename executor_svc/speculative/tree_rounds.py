@@ -239,7 +239,7 @@ class TreeRounds:
             logits, hidden = _tree_forward(self.model, self.kv_cache, ids, positions, slots, context, masks, row_tables)
             self._judge(s, t, ids, logits, sampled)
             out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
-            if rnd + 1 < num_rounds and stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+            if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
             if rnd + 1 < num_rounds:
                 nodes = self._grow(hidden, batch, t)
