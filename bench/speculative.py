@@ -102,8 +102,10 @@ CHAT = [
 # A mode may carry its own settings after colons, so that one run compares them against the same plain
 # decoding: ``ngram:k15:min1`` is prompt lookup with up to 15 drafts from suffixes of 1 to --ngram-max tokens.
 # ``stop0`` runs every chained round even after every request has finished (what ending them early saves).
+# ``draft_heads:lookup3:k8``: draft heads, with prompt lookup's drafts (up to 8) wherever the request's last 3+
+# tokens occurred earlier in its own tokens (``--heads-lookup``).
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
-                  "stop": "end_rounds_early"}
+                  "stop": "end_rounds_early", "lookup": "heads_lookup"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -132,7 +134,8 @@ def _mode_config(name: str, args):
     rounds = 1 if name == "ngram_one_round" else args.speculative_rounds
     tree = parse_tree(args.draft_tree) if name == "draft_heads_tree" else None
     return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, max_rounds=rounds,
-                             draft_tree=tree, end_rounds_early=bool(getattr(args, "end_rounds_early", 1)))
+                             draft_tree=tree, end_rounds_early=bool(getattr(args, "end_rounds_early", 1)),
+                             heads_lookup=getattr(args, "heads_lookup", 0))
 
 
 async def _run(async_engine, requests, desc: str) -> dict:

@@ -36,7 +36,7 @@ from executor_svc.engine import Engine
 from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK, Segment, pack, run_packed, short_chunks_as_rows, to_device
 from executor_svc.sampler import RequestSamplingState, Sampler
 from executor_svc.speculative.draft_tree import DraftTree
-from executor_svc.speculative.proposer import DraftRequest, NgramLookup, build_proposer
+from executor_svc.speculative.proposer import MAX_DRAFT_TOKENS, DraftRequest, NgramLookup, build_proposer
 from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsRunner, emitted_tokens
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
@@ -121,7 +121,9 @@ class ModelRunner:
         self.proposer = build_proposer(engine.speculative, engine)
         self.max_draft_tokens = 0
         if self.proposer is not None:  # draft heads can guess no further than they have heads
-            self.max_draft_tokens = min(engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", 16))
+            self.max_draft_tokens = min(
+                engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", MAX_DRAFT_TOKENS)
+            )
         # Verification rounds one step may chain: they draft on the device, which prompt lookup and draft heads can.
         self.max_rounds = engine.speculative.device_rounds if self.proposer is not None else 1
         tree = self._draft_tree(engine)
@@ -129,13 +131,16 @@ class ModelRunner:
             self.max_draft_tokens = min(self.max_draft_tokens, tree.depth)
         self.rounds = None
         if self.max_rounds > 1:
-            chain, ngram_sizes = None, (1, 1)
+            chain, ngram_sizes, heads_lookup = None, (1, 1), False
             if isinstance(self.proposer, NgramLookup):
                 ngram_sizes = (self.proposer.min_n, self.proposer.max_n)
             else:  # draft heads; a chained step holds at most max_batch_size / (1 + k) requests
                 chain = self.proposer.device_chain(engine.max_batch_size // 2)
+                if self.proposer.lookup is not None:
+                    ngram_sizes, heads_lookup = self.proposer.lookup, True
             self.rounds = RoundsRunner(engine.model, engine.kv_cache, engine.decode_graphs, self.tokens_per_block,
-                                       ngram_sizes, chain, tree, end_early=engine.speculative.end_rounds_early)
+                                       ngram_sizes, chain, tree, end_early=engine.speculative.end_rounds_early,
+                                       heads_lookup=heads_lookup)
             self.rounds.warm_up(range(1, self.max_draft_tokens + 1))
         # Tree drafts: tokens per request of a chained round of k drafts, k = 1.. (what the scheduler plans with).
         self.draft_tree_rows = [self.rounds.round_rows(k) for k in range(1, self.max_draft_tokens + 1)] if tree else []

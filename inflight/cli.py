@@ -43,6 +43,10 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-rounds", type=int, default=8,
                    help="ngram: most verification rounds one step chains on the device, drafting each from the "
                         "tokens the last accepted (1 = one round a step)")
+    g.add_argument("--heads-lookup", type=int, default=0, metavar="N",
+                   help="draft_heads: where a request's last N or more tokens (up to --ngram-max) occurred earlier "
+                        "in its own tokens, draft what followed there instead of the heads' guesses, up to "
+                        "--num-draft-tokens; 0 = the heads alone")
     g.add_argument("--draft-tree", default="chain",
                    help="draft_heads: 'chain' (k drafts in a row), 'default' (a 14-node tree to depth 4) or the "
                         "tree's paths of guess ranks, e.g. '0;1;2;0,0;1,0;0,0,0': requests verify the tree")

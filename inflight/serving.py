@@ -38,8 +38,11 @@ def speculative_config_from_args(args: argparse.Namespace):
         raise SystemExit(f"inflight: --draft-tree: {exc}") from None
     if tree is not None and mode is not SpeculativeMode.DRAFT_HEADS:
         raise SystemExit(f"inflight: --draft-tree needs --speculative draft_heads, not {args.speculative}")
-    return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir,
-                             args.speculative_rounds, tree)
+    try:
+        return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir,
+                                 args.speculative_rounds, tree, heads_lookup=args.heads_lookup)
+    except ValueError as exc:
+        raise SystemExit(f"inflight: speculative decoding: {exc}") from None
 
 
 def run_executor(args: argparse.Namespace) -> None:
@@ -115,6 +118,7 @@ def run_serve(args: argparse.Namespace) -> None:
         *(["--num-draft-tokens", str(args.num_draft_tokens)] if args.num_draft_tokens is not None else []),
         "--ngram-min", str(args.ngram_min), "--ngram-max", str(args.ngram_max),
         "--speculative-rounds", str(args.speculative_rounds), "--draft-tree", args.draft_tree,
+        "--heads-lookup", str(args.heads_lookup),
         *(["--draft-model", str(draft_dir)] if draft_dir else []),
     ]
     child = subprocess.Popen(executor_cmd)

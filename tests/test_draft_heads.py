@@ -23,6 +23,7 @@ from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.draft_heads import (
     DraftHeads, RecurrentDraftHead, heads_meta_path, heads_path, load_draft_heads, save_draft_heads,
 )
+from executor_svc.speculative.ngram import NgramIndex
 from executor_svc.speculative.train_heads import (
     DistillConfig, collect_hidden, distill_heads, head_agreement, self_generate,
 )
@@ -263,6 +264,73 @@ def _greedy_chain_walk(drafts: list[list[int]], text: list[int], first_row: int,
         emitted += run + 1
         row += run + 1
     return accepted
+
+
+def _lookup_chain_walk(
+    drafts: list[list[int]], text: list[int], first_row: int, max_tokens: int, width: int, lookup: tuple[int, int],
+    padded: bool,
+) -> int:
+    """``_greedy_chain_walk`` with ``heads_lookup``: where prompt lookup over the tokens so far finds a match, its
+    drafts (up to ``width``) replace the heads'; with ``padded`` (chained rounds) every step verifies ``width``
+    drafts, the missing ones the newest token repeated."""
+    row, emitted, accepted = first_row, 1, 0
+    while emitted < max_tokens:
+        known = text[: row + 2]  # the prompt and the output up to the newest token
+        guess = NgramIndex(*lookup).propose(known, width) or drafts[row]
+        if padded:
+            guess = guess + [known[-1]] * (width - len(guess))
+        k = min(len(guess), max_tokens - emitted - 1)
+        run = 0
+        while run < k and guess[run] == text[row + 2 + run]:
+            run += 1
+        accepted += run
+        emitted += run + 1
+        row += run + 1
+    return accepted
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_serving_with_lookup_accepts_what_the_heads_and_the_lookup_draft_offline(
+    engine, tokenizer, recurrent_trained, tmp_path, rounds,
+):
+    """Heads with prompt lookup (``heads_lookup``): greedy serving gives the tokens of plain decoding and accepts,
+    draft for draft, what an offline walk over the same text accepts when the lookup's drafts are taken wherever
+    it finds a match, up to more drafts than the heads make, and the heads' elsewhere."""
+    import dataclasses
+
+    from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+    from tests.conftest import PROMPTS
+    from tests.test_speculative import COPY_PROMPTS, _generate
+
+    head, _ = recurrent_trained
+    save_draft_heads(head, tmp_path, {"test": True})
+    width, lookup = head.num_heads + 2, (2, 4)
+    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, width, ngram_max=lookup[1], max_rounds=rounds,
+                                    heads_lookup=lookup[0])
+    spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=speculative)
+    prompts, max_tokens = COPY_PROMPTS[:2] + PROMPTS[:2], 20
+    outputs, usages, _ = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False}, max_tokens=max_tokens)
+    plain, _, _ = _generate(engine, tokenizer, prompts, max_tokens=max_tokens)
+    assert outputs == plain
+    runner = PromptForward.create(engine.model, engine.model_config, 128, engine.tokens_per_block, engine.device,
+                                  engine.dtype)
+    served, walked, heads_alone = [], [], []
+    for prompt, output, usage in zip(prompts, outputs, usages):
+        prompt_ids = tokenizer.encode(prompt)
+        text = prompt_ids + output
+        hidden = collect_hidden(runner, [text], "hidden", progress=False)[0]
+        with torch.inference_mode():
+            greedy = engine.model.compute_logits(hidden).argmax(-1)
+            drafts = head.propose(hidden, engine.model, head.num_heads, greedy).tolist()
+        served.append(usage.num_accepted_draft_tokens)
+        walked.append(_lookup_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens, width, lookup, rounds > 1))
+        heads_alone.append(_greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens))
+    assert served == walked
+    # The copy prompts repeat themselves: there the lookup's drafts get more accepted than the heads' alone would.
+    assert sum(served[:2]) > sum(heads_alone[:2])
+    # Sampled requests verify the same drafts by rejection sampling (the eager rounds); no KV block is left behind.
+    sampled, _, stats = _generate(spec, tokenizer, prompts[:2], sampling={"temperature": 0.8, "seed": 3})
+    assert [len(o) for o in sampled] == [20, 20] and stats.drafts.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("rounds", [1, 3])

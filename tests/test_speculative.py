@@ -148,6 +148,38 @@ def test_round_kernels_match_their_torch_reference():
         assert torch.equal(lens_h, lens) and torch.equal(drafts_h, drafts) and (drafted_k[2] == k).all()
         assert torch.equal(last[:batch], target.gather(1, accepted[:, None]).squeeze(1)) and last[batch] == -1
         assert torch.equal(rows_of[:batch], torch.arange(batch, device=device) * (k + 1) + accepted)
+        # Heads with the lookup: both the heads' inputs and the lookup's drafts and real guesses.
+        history_b, lens_b, drafts_b = history_k.clone(), lens.clone() - accepted - 1, drafts.clone()
+        last.fill_(-1), rows_of.fill_(-1), drafted_k.fill_(-5)
+        round_verdict(target.flatten(), history_b, lens_b, drafts_b, tokens_k, accepted_k, drafted_k, 1, min_n, max_n,
+                      (last, rows_of), lookup=True)
+        assert torch.equal(lens_b, lens) and torch.equal(drafts_b, next_drafts) and torch.equal(drafted_k[2], real)
+        assert torch.equal(last[:batch], target.gather(1, accepted[:, None]).squeeze(1))
+        assert torch.equal(rows_of[:batch], torch.arange(batch, device=device) * (k + 1) + accepted)
+
+
+def test_heads_take_the_lookups_drafts_only_where_it_found_a_match():
+    from executor_svc.speculative.rounds import prefer_lookup
+
+    lookup = torch.tensor([[5, 6, 9, 9], [9, 9, 9, 9], [7, 8, 3, 3]])  # padded with each last token (9, 9, 3)
+    counts = torch.tensor([2, 0, 4])
+    heads, last = torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.tensor([9, 9, 3])
+    drafts, real = prefer_lookup(lookup, counts, heads, last, 4)
+    assert drafts.tolist() == [[5, 6, 9, 9], [3, 4, 9, 9], [7, 8, 3, 3]] and real.tolist() == [2, 2, 4]
+    drafts, real = prefer_lookup(lookup, counts, heads, last, 3)  # fewer than the lookup made: cut, and counted so
+    assert drafts.tolist() == [[5, 6, 9], [3, 4, 9], [7, 8, 3]] and real.tolist() == [2, 2, 3]
+    drafts, real = prefer_lookup(lookup[:, :2], counts.clamp(max=2), heads, last, 5)  # more: padded
+    assert drafts.tolist() == [[5, 6, 9, 9, 9], [3, 4, 9, 9, 9], [7, 8, 3, 3, 3]] and real.tolist() == [2, 2, 2]
+
+
+def test_heads_lookup_is_checked_where_it_is_configured():
+    with pytest.raises(ValueError, match="heads_lookup needs speculative mode draft_heads, not ngram"):
+        SpeculativeConfig(SpeculativeMode.NGRAM, heads_lookup=2)
+    with pytest.raises(ValueError, match=r"heads_lookup must be in \[1, ngram_max = 4\], got 5"):
+        SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, heads_lookup=5)
+    with pytest.raises(ValueError, match="does not combine with a draft tree"):
+        SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, heads_lookup=2, draft_tree=((0,), (0, 0)))
+    assert SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 8, heads_lookup=3).num_draft_tokens == 8
 
 
 def test_round_finished_kernel_matches_its_reference():

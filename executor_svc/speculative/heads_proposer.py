@@ -3,9 +3,15 @@
 The runner keeps the final hidden state of the row that sampled each
 request's last token; the heads turn it and that token into k drafts
 (Medusa heads in one batched matmul, the recurrent head as a chain of k
-steps). No KV cache and no per-request state: the chain of drafts is
-verified like any other. Steps of chained rounds draft on the device instead
-(``rounds.py``), with the same heads.
+steps). No KV cache: the chain of drafts is verified like any other. Steps of
+chained rounds draft on the device instead (``rounds.py``), with the same heads.
+
+With ``heads_lookup`` (SpeculativeConfig) the proposer also keeps each
+request's n-gram index, and where the request's last tokens occurred earlier
+in its own tokens it proposes what followed there instead of the heads'
+guesses, up to the step's draft count (which may then exceed the heads'):
+small models repeat themselves, and a repeated run is a better guess than a
+head's. The chained rounds do the same on the device (``rounds.prefer_lookup``).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import torch
 
 from executor_svc.packed_forward import to_device
 from executor_svc.speculative.draft_heads import load_draft_heads
-from executor_svc.speculative.proposer import DraftRequest, SpeculativeMode
+from executor_svc.speculative.ngram import NgramIndex
+from executor_svc.speculative.proposer import MAX_DRAFT_TOKENS, DraftRequest, SpeculativeMode
 
 
 class HeadsProposer:
@@ -22,20 +29,24 @@ class HeadsProposer:
     needs_hidden = True
     needs_lookahead_slots = False
 
-    def __init__(self, heads, model) -> None:
+    def __init__(self, heads, model, lookup: tuple[int, int] | None = None) -> None:
         self.heads = heads
         self.model = model
         weight = next(heads.parameters())
         self.hidden_device, self.hidden_dtype = weight.device, weight.dtype  # the engine's: heads load cast to it
+        self.lookup = lookup  # (min_n, max_n) of the prompt lookup preferred where it matches; None: heads only
+        self.indexes: dict[str, NgramIndex] = {}
 
     @classmethod
     def load(cls, engine) -> HeadsProposer:  # engine: executor_svc.engine.Engine
         heads = load_draft_heads(engine.engine_dir, engine.model_config, engine.device, engine.dtype)
-        return cls(heads, engine.model)
+        spec = engine.speculative
+        return cls(heads, engine.model, (spec.heads_lookup, spec.ngram_max) if spec.heads_lookup else None)
 
     @property
     def max_draft_tokens(self) -> int:
-        return self.heads.num_heads
+        """The heads guess no further than they have heads; a lookup as far as a request's own tokens go."""
+        return MAX_DRAFT_TOKENS if self.lookup else self.heads.num_heads
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         if not requests:
@@ -44,17 +55,26 @@ class HeadsProposer:
         hidden = torch.stack([r.hidden for r in requests])  # [n, hidden]
         last = to_device([r.token_ids[-1] for r in requests], torch.int64, hidden.device)
         table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
-        return [row[: r.num_drafts] for row, r in zip(table, requests)]
+        drafts = [row[: r.num_drafts] for row, r in zip(table, requests)]
+        if self.lookup is not None:
+            for i, r in enumerate(requests):
+                index = self.indexes.get(r.request_id)
+                if index is None:
+                    index = self.indexes[r.request_id] = NgramIndex(*self.lookup)
+                found = index.propose(r.token_ids, r.num_drafts)
+                if found:
+                    drafts[i] = found
+        return drafts
 
     def device_chain(self, max_requests: int) -> HeadsChain:
         """The same heads, drafting between chained rounds on the device (``rounds.py``)."""
         return HeadsChain(self.heads, self.model, max_requests, self.hidden_device, self.hidden_dtype)
 
     def drop(self, request_id: str) -> None:
-        pass
+        self.indexes.pop(request_id, None)
 
     def reset(self) -> None:
-        pass
+        self.indexes.clear()
 
 
 class HeadsChain:
@@ -99,6 +119,11 @@ class HeadsChain:
                     self.graphs[(batch, k)] = (graph, drafts)
         torch.cuda.current_stream(self.hidden.device).wait_stream(stream)
         torch.cuda.synchronize(self.hidden.device)
+
+    @property
+    def max_drafts(self) -> int:
+        """Most drafts one call makes: the heads' own limit."""
+        return self.heads.max_drafts
 
     def _propose(self, batch: int, k: int) -> torch.Tensor:
         return self.heads.propose(self.hidden[:batch], self.model, k, self.last_tokens[:batch])

@@ -33,6 +33,7 @@ class SpeculativeMode(enum.Enum):
 # Under load the draft-length policy shortens them or turns speculation off either way.
 DEFAULT_DRAFT_TOKENS = {SpeculativeMode.NGRAM: 15}
 DEFAULT_DRAFT_TOKENS_OTHERWISE = 4
+MAX_DRAFT_TOKENS = 16  # most drafts a request verifies at once
 
 
 @dataclass(slots=True)
@@ -51,16 +52,27 @@ class SpeculativeConfig:
     # Chained rounds stop once every request of the step has finished (``round_stops.py``); off only to
     # measure what that gives.
     end_rounds_early: bool = True
+    # DRAFT_HEADS: where the request's last ``heads_lookup`` or more tokens occurred earlier in its own tokens,
+    # draft what followed there instead of the heads' guesses (prompt lookup as in NGRAM, up to ngram_max
+    # tokens of suffix); 0 = the heads alone. A repeated run is a better guess than a small head's.
+    heads_lookup: int = 0
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is None:
             self.num_draft_tokens = DEFAULT_DRAFT_TOKENS.get(self.mode, DEFAULT_DRAFT_TOKENS_OTHERWISE)
         if self.draft_tree is not None and self.mode is not SpeculativeMode.DRAFT_HEADS:
             raise ValueError(f"tree drafts need speculative mode draft_heads, not {self.mode.value or 'none'}")
-        if self.mode is not SpeculativeMode.NONE and not 1 <= self.num_draft_tokens <= 16:
-            raise ValueError(f"num_draft_tokens must be in [1, 16], got {self.num_draft_tokens}")
+        if self.mode is not SpeculativeMode.NONE and not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
         if not 1 <= self.max_rounds <= 64:
             raise ValueError(f"max_rounds must be in [1, 64], got {self.max_rounds}")
+        if self.heads_lookup:
+            if self.mode is not SpeculativeMode.DRAFT_HEADS:
+                raise ValueError(f"heads_lookup needs speculative mode draft_heads, not {self.mode.value or 'none'}")
+            if not 1 <= self.heads_lookup <= self.ngram_max:
+                raise ValueError(f"heads_lookup must be in [1, ngram_max = {self.ngram_max}], got {self.heads_lookup}")
+            if self.draft_tree is not None:
+                raise ValueError("heads_lookup drafts chains: it does not combine with a draft tree")
 
     @property
     def device_rounds(self) -> int:

@@ -97,6 +97,25 @@ class RoundsOutput:
         )
 
 
+def prefer_lookup(
+    lookup: torch.Tensor, counts: torch.Tensor, heads: torch.Tensor, last_tokens: torch.Tensor, width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [B, width] int64 drafts, [B] int64 real guesses
+    """Draft heads with prompt lookup (``SpeculativeConfig.heads_lookup``): each request's lookup drafts
+    (``lookup`` [B, kl], of which ``counts`` [B] are real guesses) where its lookup found a match, else the heads'
+    drafts (``heads`` [B, kh]); either padded with its last token (``last_tokens`` [B]) to ``width``."""
+    batch = lookup.shape[0]
+
+    def padded(drafts: torch.Tensor) -> torch.Tensor:
+        drafts = drafts[:, :width]
+        if drafts.shape[1] == width:
+            return drafts
+        return torch.cat([drafts, last_tokens[:, None].expand(batch, width - drafts.shape[1])], dim=1)
+
+    use = counts > 0
+    drafts = torch.where(use[:, None], padded(lookup), padded(heads))
+    return drafts, torch.where(use, counts.clamp(max=width), min(heads.shape[1], width))
+
+
 def _round_inputs(
     history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor, tables: torch.Tensor, tokens_per_block: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ids, positions, slots: [B, 1 + k] each
@@ -139,9 +158,14 @@ class RoundsRunner:
         chain: HeadsChain | None = None,  # draft heads draft rounds 2..R (and the next step) instead
         tree: DraftTree | None = None,  # with heads: steps verify trees of this shape
         end_early: bool = True,  # stop a step's rounds once every request has finished (round_stops.py)
+        # With heads: where the lookup of ``ngram_sizes`` finds a match, its drafts replace the heads' (prefer_lookup).
+        heads_lookup: bool = False,
     ) -> None:
+        if heads_lookup and chain is None:
+            raise ValueError("heads_lookup weighs the lookup against draft heads: it needs their chain")
         self.model, self.kv_cache, self.graphs, self.end_early = model, kv_cache, graphs, end_early
         self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
+        self.heads_lookup = heads_lookup
         # With a draft tree, steps verify trees (``tree_rounds.py``).
         self.trees = (
             TreeRounds(model, kv_cache, graphs, tokens_per_block, chain, tree)
@@ -156,8 +180,8 @@ class RoundsRunner:
         from executor_svc.speculative.rounds_triton import round_finished, round_inputs, round_verdict
 
         device = self.kv_cache.device
-        if self.chain is not None:
-            self.chain.capture(draft_lengths)
+        if self.chain is not None:  # with the lookup, a round may verify more drafts than the heads make
+            self.chain.capture(sorted({min(k, self.chain.max_drafts) for k in draft_lengths}))
         if self.trees is not None:
             self.trees.warm_up(draft_lengths)
         for k in draft_lengths:
@@ -170,7 +194,7 @@ class RoundsRunner:
             round_verdict(rows[0], history, lens, drafts, torch.zeros((1, 1, k + 1), dtype=torch.int64, device=device),
                           torch.zeros((1, 1), dtype=torch.int64, device=device),
                           torch.zeros((2, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes,
-                          self._heads_inputs())
+                          self._heads_inputs(), self._looks_up)
             if self.end_early:
                 one = torch.ones(1, dtype=torch.int64, device=device)
                 round_finished(rows[0].view(1, 1, k + 1), one.view(1, 1), 0, one.view(1, 1), one, torch.zeros_like(one),
@@ -178,6 +202,11 @@ class RoundsRunner:
 
     def _heads_inputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.chain is None else (self.chain.last_tokens, self.chain.hidden_rows)
+
+    @property
+    def _looks_up(self) -> bool:
+        """Whether rounds look the next drafts up in the requests' tokens (prompt lookup, or heads with lookup)."""
+        return self.chain is None or self.heads_lookup
 
     @torch.inference_mode()
     def run(
@@ -265,9 +294,12 @@ class RoundsRunner:
             if self.chain is not None:  # what round_verdict writes for the heads, then their drafts
                 self.chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
                 self.chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
-                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, batch)
-                if rnd + 1 < num_rounds:
-                    out.drafted[rnd + 1] = k
+                lookup = None
+                if self.heads_lookup:
+                    lookup = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
+                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, batch, lookup)
+                if lookup is None and rnd + 1 < num_rounds:
+                    out.drafted[rnd + 1] = k  # what the verdict kernel writes for the heads
             elif rnd + 1 < num_rounds:
                 drafts, out.drafted[rnd + 1] = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
         return out
@@ -290,23 +322,35 @@ class RoundsRunner:
             logits, hidden = graphs.replay(batch, width)
             torch.argmax(logits[:rows], dim=-1, out=target)  # greedy: the target's own tokens
             round_verdict(target, history, lens, drafts, out.tokens, out.accepted, out.drafted, rnd, *self.ngram_sizes,
-                          self._heads_inputs())
+                          self._heads_inputs(), self._looks_up)
             if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
-            if self.chain is not None:
-                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, num_requests)
+            if self.chain is not None:  # with the lookup, the verdict left its drafts in ``drafts``
+                lookup = (drafts, out.drafted[rnd + 1]) if self.heads_lookup else None
+                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, num_requests, lookup)
         return out
 
     def _heads_draft(
         self, out: RoundsOutput, hidden: torch.Tensor, rnd: int, num_rounds: int, k: int, next_k: int,
-        num_requests: int,
+        num_requests: int, lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """After round ``rnd`` (the chain's inputs written): the heads' drafts for the next round, returned;
-        after the last round, ``next_k`` drafts for the next step into ``out.next_drafts`` (None returned)."""
+        after the last round, ``next_k`` drafts for the next step into ``out.next_drafts`` (None returned).
+        With ``lookup`` (its drafts [B, k] and real guesses [B] after this round) a request whose lookup found
+        a match takes its drafts instead (``prefer_lookup``), which also sets the next round's real guesses."""
+        width = k if rnd + 1 < num_rounds else next_k
+        if not width:
+            return None
+        # The chain's buffers are reused by its next call: cloned.
+        heads = self.chain.draft(hidden, num_requests, min(width, self.chain.max_drafts)).clone()
+        drafted = heads.shape[1]
+        if lookup is not None:
+            heads, drafted = prefer_lookup(*lookup, heads, self.chain.last_tokens[:num_requests], width)
         if rnd + 1 < num_rounds:
-            return self.chain.draft(hidden, num_requests, k).clone()  # the chain's buffers are reused
-        if next_k:
-            out.next_drafts = self.chain.draft(hidden, num_requests, next_k).clone()
+            if lookup is not None:
+                out.drafted[rnd + 1] = drafted
+            return heads
+        out.next_drafts = heads
         return None
 
 

@@ -17,9 +17,10 @@ each of two kernels:
   there (up to ``max_n``), the best being the longest run of at least
   ``min_n`` and, among equal runs, the latest, which is exactly what
   ``NgramIndex.propose`` picks (``ngram_drafts_on_device`` is the torch
-  reference). When draft heads draft instead, it skips the lookup and writes
-  each request's newest token and the row whose hidden state chose it, which
-  the heads read next (``heads_proposer.HeadsChain``).
+  reference). When draft heads draft instead, it writes each request's
+  newest token and the row whose hidden state chose it, which the heads read
+  next (``heads_proposer.HeadsChain``); with heads and lookup together
+  (``SpeculativeConfig.heads_lookup``) it does both.
 
 A third, ``round_finished``, counts what each request emitted and flags the
 ones that finished, so the host can stop queueing rounds (``round_stops.py``).
@@ -67,7 +68,7 @@ def _round_verdict_kernel(
     last_token_ptr, hidden_row_ptr,
     stride_history, stride_drafts, round_index,
     K: tl.constexpr, BLOCK: tl.constexpr, MIN_N: tl.constexpr, MAX_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    LOOKUP: tl.constexpr,
+    LOOKUP: tl.constexpr, HEADS: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = history_ptr + b * stride_history
@@ -113,10 +114,11 @@ def _round_verdict_kernel(
         copied = tl.load(row + source, mask=found, other=0)
         tl.store(drafts_ptr + b * stride_drafts + d, tl.where(found, copied, tl.load(row + last)), mask=d < K)
         tl.store(out_drafted_ptr + b, tl.sum(found.to(tl.int64), axis=0))
-    else:  # draft heads draft next: from the row that chose the last token, and that token
+    if HEADS:  # draft heads draft next: from the row that chose the last token, and that token
         tl.store(last_token_ptr + b, tl.sum(tl.where(j == accepted, target, 0), axis=0))
         tl.store(hidden_row_ptr + b, b * (K + 1) + accepted)
-        tl.store(out_drafted_ptr + b, K)
+        if not LOOKUP:
+            tl.store(out_drafted_ptr + b, K)
 
 
 # The row width and the stop-id count are plain arguments: one compilation per power-of-two block, which
@@ -170,7 +172,7 @@ def round_inputs(
 def round_verdict(
     target: torch.Tensor, history: torch.Tensor, lens: torch.Tensor, drafts: torch.Tensor,
     out_tokens: torch.Tensor, out_accepted: torch.Tensor, out_drafted: torch.Tensor, round_index: int,
-    min_n: int, max_n: int, heads_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    min_n: int, max_n: int, heads_inputs: tuple[torch.Tensor, torch.Tensor] | None = None, lookup: bool | None = None,
 ) -> None:
     """Greedy verdict of a round from the target's tokens ([B * (1 + k)], the argmax of each row): writes the
     rows' tokens and accepted counts into round ``round_index`` of ``out_tokens`` [R, B, 1 + k] and
@@ -180,12 +182,17 @@ def round_verdict(
 
     With ``heads_inputs`` = (last_tokens [B], hidden_rows [B]) draft heads draft instead of the lookup: it
     writes each request's newest token and the row (b * (1 + k) + accepted) whose hidden state chose it,
-    leaves ``drafts`` alone, and counts k real guesses."""
+    leaves ``drafts`` alone, and counts k real guesses. With both (``lookup`` True), it does both: the heads'
+    inputs, and the lookup's drafts and counts, which ``rounds.prefer_lookup`` then weighs against the heads'.
+    ``lookup`` defaults to "no heads"."""
     batch, k = drafts.shape
+    lookup = heads_inputs is None if lookup is None else lookup
+    if not lookup and heads_inputs is None:
+        raise ValueError("a round's verdict drafts by lookup, for heads, or both")
     last_tokens, hidden_rows = heads_inputs if heads_inputs is not None else (out_accepted, out_accepted)
     _round_verdict_kernel[(batch,)](
         target, history, lens, drafts, out_tokens, out_accepted, out_drafted, last_tokens, hidden_rows,
         history.stride(0), drafts.stride(0), round_index,
         K=k, BLOCK=triton.next_power_of_2(k + 1), MIN_N=min_n, MAX_N=max_n, BLOCK_E=BLOCK_POSITIONS,
-        LOOKUP=heads_inputs is None,
+        LOOKUP=lookup, HEADS=heads_inputs is not None,
     )
