@@ -79,9 +79,9 @@ def test_draft_tree_flag_is_checked_before_anything_loads():
 
     from inflight.serving import speculative_config_from_args
 
-    def config(speculative: str, tree: str):
+    def config(speculative: str, tree: str, heads_lookup: int = 0):
         args = argparse.Namespace(speculative=speculative, draft_tree=tree, num_draft_tokens=4, ngram_min=2,
-                                  ngram_max=4, speculative_rounds=8, draft_model=None)
+                                  ngram_max=4, speculative_rounds=8, draft_model=None, heads_lookup=heads_lookup)
         return speculative_config_from_args(args)
 
     assert config("draft_heads", "default").draft_tree == DEFAULT_TREE
@@ -90,6 +90,9 @@ def test_draft_tree_flag_is_checked_before_anything_loads():
         config("ngram", "default")
     with pytest.raises(SystemExit, match="no parent"):
         config("draft_heads", "0;0,0,0")
+    assert config("draft_heads", "chain", heads_lookup=2).heads_lookup == 2
+    with pytest.raises(SystemExit, match="heads_lookup drafts chains: it does not combine with a draft tree"):
+        config("draft_heads", "default", heads_lookup=2)
 
 
 # -- attention under tree masks ----------------------------------------------------------
