@@ -429,7 +429,7 @@ def test_sampled_requests_verify_trees_and_a_seed_repeats_their_tokens(engine, t
     same seeds give the same tokens again."""
     from executor_svc.speculative.tree_rounds import TreeRounds
 
-    greedy_plain, _, _ = _generate(engine, tokenizer, PROMPTS[:1], max_tokens=40)
+    greedy_plain, _, _ = _generate(engine, tokenizer, PROMPTS[:1], max_tokens=24)
     trees, real = [], TreeRounds.run
 
     def counting(self, requests, k, num_rounds, next_k, stops=None):
@@ -442,14 +442,14 @@ def test_sampled_requests_verify_trees_and_a_seed_repeats_their_tokens(engine, t
     runs = []
     for _ in range(2):
         sampled, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, {"adaptive_draft_length": False},
-                                       sampling={"temperature": 0.8, "seed": 5}, max_tokens=48)
+                                       sampling={"temperature": 0.8, "seed": 5}, max_tokens=24)
         runs.append(sampled)
-        assert all(len(ids) == 48 for ids in sampled)
+        assert all(len(ids) == 24 for ids in sampled)
         assert all(0 <= t < engine.model_config.vocab_size for ids in sampled for t in ids)
         assert sum(u.num_accepted_draft_tokens for u in usages) > 0
     assert runs[0] == runs[1]
     assert trees and max(trees) == len(COPY_PROMPTS)  # every request of those steps sampled, on a tree
-    greedy, _, _ = _generate(spec, tokenizer, PROMPTS[:1], {"adaptive_draft_length": False}, max_tokens=40)
+    greedy, _, _ = _generate(spec, tokenizer, PROMPTS[:1], {"adaptive_draft_length": False}, max_tokens=24)
     assert greedy == greedy_plain
 
 
