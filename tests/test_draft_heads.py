@@ -266,6 +266,21 @@ def _greedy_chain_walk(drafts: list[list[int]], text: list[int], first_row: int,
     return accepted
 
 
+def _served_texts_and_drafts(engine, tokenizer, head, prompts, outputs):
+    """For each prompt and its served output: (prompt ids, prompt + output, the heads' drafts from every row of
+    that text, as ``head.propose`` makes them from the target's hidden states offline)."""
+    runner = PromptForward.create(engine.model, engine.model_config, 128, engine.tokens_per_block, engine.device,
+                                  engine.dtype)
+    for prompt, output in zip(prompts, outputs):
+        prompt_ids = tokenizer.encode(prompt)
+        text = prompt_ids + output
+        hidden = collect_hidden(runner, [text], "hidden", progress=False)[0]
+        with torch.inference_mode():
+            greedy = engine.model.compute_logits(hidden).argmax(-1)
+            drafts = head.propose(hidden, engine.model, head.num_heads, greedy).tolist()
+        yield prompt_ids, text, drafts
+
+
 def _lookup_chain_walk(
     drafts: list[list[int]], text: list[int], first_row: int, max_tokens: int, width: int, lookup: tuple[int, int],
     padded: bool,
@@ -312,17 +327,9 @@ def test_serving_with_lookup_accepts_what_the_heads_and_the_lookup_draft_offline
     outputs, usages, _ = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False}, max_tokens=max_tokens)
     plain, _, _ = _generate(engine, tokenizer, prompts, max_tokens=max_tokens)
     assert outputs == plain
-    runner = PromptForward.create(engine.model, engine.model_config, 128, engine.tokens_per_block, engine.device,
-                                  engine.dtype)
-    served, walked, heads_alone = [], [], []
-    for prompt, output, usage in zip(prompts, outputs, usages):
-        prompt_ids = tokenizer.encode(prompt)
-        text = prompt_ids + output
-        hidden = collect_hidden(runner, [text], "hidden", progress=False)[0]
-        with torch.inference_mode():
-            greedy = engine.model.compute_logits(hidden).argmax(-1)
-            drafts = head.propose(hidden, engine.model, head.num_heads, greedy).tolist()
-        served.append(usage.num_accepted_draft_tokens)
+    served = [usage.num_accepted_draft_tokens for usage in usages]
+    walked, heads_alone = [], []
+    for prompt_ids, text, drafts in _served_texts_and_drafts(engine, tokenizer, head, prompts, outputs):
         walked.append(_lookup_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens, width, lookup, rounds > 1))
         heads_alone.append(_greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens))
     assert served == walked
@@ -350,18 +357,11 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
     spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=speculative)
     prompts, max_tokens = COPY_PROMPTS[:2] + PROMPTS[:3], 20
     outputs, usages, _ = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False}, max_tokens=max_tokens)
-    runner = PromptForward.create(engine.model, engine.model_config, 128, engine.tokens_per_block, engine.device,
-                                  engine.dtype)
-    served, walked = [], []
-    for prompt, output, usage in zip(prompts, outputs, usages):
-        prompt_ids = tokenizer.encode(prompt)
-        text = prompt_ids + output
-        hidden = collect_hidden(runner, [text], "hidden", progress=False)[0]
-        with torch.inference_mode():
-            greedy = engine.model.compute_logits(hidden).argmax(-1)
-            drafts = head.propose(hidden, engine.model, head.num_heads, greedy).tolist()
-        served.append(usage.num_accepted_draft_tokens)
-        walked.append(_greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens))
+    served = [usage.num_accepted_draft_tokens for usage in usages]
+    walked = [
+        _greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens)
+        for prompt_ids, text, drafts in _served_texts_and_drafts(engine, tokenizer, head, prompts, outputs)
+    ]
     assert served == walked
     assert sum(served) > 0  # the trained head gets some drafts right: the comparison is not of zeros
 
