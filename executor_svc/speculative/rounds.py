@@ -342,15 +342,14 @@ class RoundsRunner:
         if not width:
             return None
         # The chain's buffers are reused by its next call: cloned.
-        heads = self.chain.draft(hidden, num_requests, min(width, self.chain.max_drafts)).clone()
-        drafted = heads.shape[1]
+        drafts = self.chain.draft(hidden, num_requests, min(width, self.chain.max_drafts)).clone()
         if lookup is not None:
-            heads, drafted = prefer_lookup(*lookup, heads, self.chain.last_tokens[:num_requests], width)
-        if rnd + 1 < num_rounds:
-            if lookup is not None:
+            drafts, drafted = prefer_lookup(*lookup, drafts, self.chain.last_tokens[:num_requests], width)
+            if rnd + 1 < num_rounds:
                 out.drafted[rnd + 1] = drafted
-            return heads
-        out.next_drafts = heads
+        if rnd + 1 < num_rounds:
+            return drafts
+        out.next_drafts = drafts
         return None
 
 
