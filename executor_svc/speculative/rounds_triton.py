@@ -184,7 +184,7 @@ def round_verdict(
     writes each request's newest token and the row (b * (1 + k) + accepted) whose hidden state chose it,
     leaves ``drafts`` alone, and counts k real guesses. With both (``lookup`` True), it does both: the heads'
     inputs, and the lookup's drafts and counts, which ``rounds.prefer_lookup`` then weighs against the heads'.
-    ``lookup`` defaults to "no heads"."""
+    ``lookup`` defaults to True without heads and False with them."""
     batch, k = drafts.shape
     lookup = heads_inputs is None if lookup is None else lookup
     if not lookup and heads_inputs is None:
