@@ -120,7 +120,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.proposer = build_proposer(engine.speculative, engine)
         self.max_draft_tokens = 0
-        if self.proposer is not None:  # draft heads can guess no further than they have heads
+        if self.proposer is not None:  # draft heads alone guess no further than they have heads
             self.max_draft_tokens = min(
                 engine.speculative.num_draft_tokens, getattr(self.proposer, "max_draft_tokens", MAX_DRAFT_TOKENS)
             )

@@ -49,21 +49,22 @@ class HeadsProposer:
         return MAX_DRAFT_TOKENS if self.lookup else self.heads.num_heads
 
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
-        if not requests:
-            return []
-        want = min(max(r.num_drafts for r in requests), self.heads.num_heads)
-        hidden = torch.stack([r.hidden for r in requests])  # [n, hidden]
-        last = to_device([r.token_ids[-1] for r in requests], torch.int64, hidden.device)
-        table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
-        drafts = [row[: r.num_drafts] for row, r in zip(table, requests)]
-        if self.lookup is not None:
+        drafts: list[list[int]] = [[] for _ in requests]
+        if self.lookup is not None:  # a request whose lookup finds a match takes its drafts; the heads draft the rest
             for i, r in enumerate(requests):
                 index = self.indexes.get(r.request_id)
                 if index is None:
                     index = self.indexes[r.request_id] = NgramIndex(*self.lookup)
-                found = index.propose(r.token_ids, r.num_drafts)
-                if found:
-                    drafts[i] = found
+                drafts[i] = index.propose(r.token_ids, r.num_drafts)
+        rest = [i for i, found in enumerate(drafts) if not found]
+        if not rest:
+            return drafts
+        want = min(max(requests[i].num_drafts for i in rest), self.heads.num_heads)
+        hidden = torch.stack([requests[i].hidden for i in rest])  # [n, hidden]
+        last = to_device([requests[i].token_ids[-1] for i in rest], torch.int64, hidden.device)
+        table = self.heads.propose(hidden, self.model, want, last).tolist()  # the proposer's one wait for the device
+        for i, row in zip(rest, table):
+            drafts[i] = row[: requests[i].num_drafts]
         return drafts
 
     def device_chain(self, max_requests: int) -> HeadsChain:

@@ -295,7 +295,7 @@ class RoundsRunner:
                 self.chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
                 self.chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
                 lookup = None
-                if self.heads_lookup:
+                if self.heads_lookup and (rnd + 1 < num_rounds or next_k):  # drafts are wanted after this round
                     lookup = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
                 drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, batch, lookup)
                 if lookup is None and rnd + 1 < num_rounds:
