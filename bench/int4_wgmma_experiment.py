@@ -10,7 +10,8 @@ exact too; 1.5 instructions per weight. Each plane is one dot of K = BLOCK_K / 8
 8 i + j, and the group's scale multiplies each step's sum in float32.
 
 Result on an H200 (bench/results/h200_int4_wgmma_experiment_llama8b.json): correct (the same error as
-the GEMV), but 1.7-1.9x slower on every Llama-3.1-8B shape (gate_up 52.7 against 28.8 us at one row).
+the GEMV), but 1.7-2.1x slower on every Llama-3.1-8B shape at one row (gate_up 52.7 against 28.8 us) and
+1.0-1.7x slower at two rows.
 The compiled loop is 2.9-3.4 instructions per weight (3.3-3.8 with the AWQ input scale), no fewer than
 the GEMV's: Triton stages each
 plane's B tile through shared memory with its own fence, barrier and wgmma wait, eight times a step.
