@@ -153,7 +153,8 @@ def main() -> None:
     candidates = {name: (lambda x, q, s, z, pqs, c=c: D.w4a16_decode(x, q, s, z, G, pqs, config=c))
                   for name, c in D.INT4_TACTICS.items()}
     for bn, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1), (128, 4, 2), (256, 8, 2)):
-        candidates[f"mma n{bn} w{w} s{st}"] = mma(_w4a16_wgmma_kernel, DecodeConfig(fma=False, block_n=bn, block_k=128, num_warps=w, num_stages=st))
+        config = DecodeConfig(fma=False, block_n=bn, block_k=128, num_warps=w, num_stages=st)
+        candidates[f"mma n{bn} w{w} s{st}"] = mma(_w4a16_wgmma_kernel, config)
 
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     result = {"command": "python bench/int4_wgmma_experiment.py", "torch": torch.__version__,

@@ -11,11 +11,17 @@ quantize / dequantize functions the engines use, to answer:
   (``--per-layer``: one perplexity pass per decoder layer);
 * how much does GPTQ rounding take back? FP8 weights rounded by GPTQ on the
   calibration corpus, with and without the activations.
+* INT4's grid (``--sections int4``): round to nearest in groups of 128, 64 and 32
+  with the engines' integer zero points, and in groups of 32 with a float zero
+  point (each group's minimum and maximum exact: Q4_1's grid, a format inflight
+  does not build) -- is the loss the format's, or this checkpoint's grid?
 
 Every row is the held-out perplexity and its change against the unquantized
 model (lm_head and embeddings are never rounded, as in the engines).
 
     python bench/quant_error_sources.py --device cpu --output bench/results/cpu_quant_error_sources_smollm2.json
+
+and the INT4 rows (``cpu_quant_error_sources_int4_smollm2.json``) with ``--sections int4``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ from executor_svc.quantization.forward import PromptForward  # noqa: E402
 from executor_svc.quantization.gptq import fp8_tensor_grid, gptq_round  # noqa: E402
 from executor_svc.quantization.perplexity import perplexity  # noqa: E402
 from executor_svc.quantization.quantize import (  # noqa: E402
-    FP8_MAX, dequantize_fp8, fp8_tensor_scale, quantize_fp8_per_tensor, quantize_fp8_per_token_reference, round_fp8,
+    FP8_MAX, INT4_MAX, dequantize_fp8, fake_quantize_int4, fp8_tensor_scale, quantize_fp8_per_tensor,
+    quantize_fp8_per_token_reference, round_fp8,
 )
 from inflight.model_store import resolve_model  # noqa: E402
 
@@ -56,6 +63,21 @@ def fp8_weight_per_tensor(w: torch.Tensor) -> torch.Tensor:
 def fp8_weight_per_channel(w: torch.Tensor) -> torch.Tensor:
     scales = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     return (round_fp8(w.float(), scales).float() * scales).to(w.dtype)
+
+
+def int4_integer_zero(group_size: int) -> Rounding:
+    """The engines' INT4 grid (round to nearest, integer zero point), groups of ``group_size`` input channels."""
+    return lambda w: fake_quantize_int4(w, group_size).to(w.dtype)
+
+
+def int4_float_zero(group_size: int) -> Rounding:
+    """INT4 with a float zero point: each group's minimum and maximum are grid points (Q4_1's grid)."""
+    def rounding(w: torch.Tensor) -> torch.Tensor:
+        groups = w.float().reshape(w.shape[0], -1, group_size)
+        low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+        step = ((high - low) / INT4_MAX).clamp(min=1e-12)
+        return (torch.round((groups - low) / step) * step + low).reshape(w.shape).to(w.dtype)
+    return rounding
 
 
 def fp8_activation_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-size", type=int, default=32, help="calibration texts for the GPTQ rows")
     p.add_argument("--calib-max-tokens", type=int, default=256)
     p.add_argument("--per-layer", action="store_true", help="add the one-layer-at-a-time rows")
+    p.add_argument("--sections", default="fp8", help="comma-separated: fp8 (FP8's sources and GPTQ), int4 (INT4 grids)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -129,25 +152,32 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{label}: {ppl:.4f} ({ppl - baseline:+.4f})")
         return ppl
 
-    row("FP8 weights (per tensor)", weights=fp8_weight_per_tensor)
-    row("FP8 weights (per output channel)", weights=fp8_weight_per_channel)
-    row("FP8 activations (per token)", activations=fp8_activation_per_token)
-    row("FP8 weights (per tensor) + activations (per token)", weights=fp8_weight_per_tensor,
-        activations=fp8_activation_per_token)
-    row("FP8 weights (per channel) + activations (per token)", weights=fp8_weight_per_channel,
-        activations=fp8_activation_per_token)
+    sections = {part for part in args.sections.split(",") if part}
+    if "int4" in sections:
+        for group in (128, 64, 32):
+            row(f"INT4 weights (groups of {group}, integer zero)", weights=int4_integer_zero(group))
+        row("INT4 weights (groups of 32, float zero: Q4_1's grid)", weights=int4_float_zero(32))
+    if "fp8" in sections:
+        row("FP8 weights (per tensor)", weights=fp8_weight_per_tensor)
+        row("FP8 weights (per output channel)", weights=fp8_weight_per_channel)
+        row("FP8 activations (per token)", activations=fp8_activation_per_token)
+        row("FP8 weights (per tensor) + activations (per token)", weights=fp8_weight_per_tensor,
+            activations=fp8_activation_per_token)
+        row("FP8 weights (per channel) + activations (per token)", weights=fp8_weight_per_channel,
+            activations=fp8_activation_per_token)
 
-    rounded.apply()
-    calib_ids = encode_texts(checkpoint, calibration_texts("", args.calib_size)[0], args.calib_max_tokens)
-    stats = calibrate(runner, rounded.linears, calib_ids, progress=True, hessians=True)
-    gptq = {}
-    for name in tqdm(rounded.linears, desc="GPTQ", unit="layer"):
-        weight = rounded.original[name]
-        found = gptq_round(weight, stats.layers[name].hessian, fp8_tensor_grid(fp8_tensor_scale(weight)))
-        gptq[name] = found.weight.to(weight.dtype)
-    del stats
-    row("FP8 weights (per tensor, GPTQ)", weights=gptq)
-    row("FP8 weights (per tensor, GPTQ) + activations (per token)", weights=gptq, activations=fp8_activation_per_token)
+        rounded.apply()
+        calib_ids = encode_texts(checkpoint, calibration_texts("", args.calib_size)[0], args.calib_max_tokens)
+        stats = calibrate(runner, rounded.linears, calib_ids, progress=True, hessians=True)
+        gptq = {}
+        for name in tqdm(rounded.linears, desc="GPTQ", unit="layer"):
+            weight = rounded.original[name]
+            found = gptq_round(weight, stats.layers[name].hessian, fp8_tensor_grid(fp8_tensor_scale(weight)))
+            gptq[name] = found.weight.to(weight.dtype)
+        del stats
+        row("FP8 weights (per tensor, GPTQ)", weights=gptq)
+        row("FP8 weights (per tensor, GPTQ) + activations (per token)", weights=gptq,
+            activations=fp8_activation_per_token)
 
     per_layer = {}
     if args.per_layer:
