@@ -65,6 +65,7 @@ def add_engine_build_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin", action="append", default=[], metavar="KIND=NAME")
     p.add_argument("--quant-algo", default="none", help="weight quantization of the engine (FP8, W8A16, ...)")
     p.add_argument("--kv-cache-quant-algo", default="none", help="KV cache quantization (FP8, INT8)")
+    p.add_argument("--group-size", type=int, default=128, help="input channels per INT4 scale (W4A16_AWQ)")
     p.add_argument("--exclude-modules", default=None,
                    help="Linear layers kept in 16 bits, comma-separated patterns (default: the build's, embed_tokens,lm_head)")
 
@@ -80,7 +81,7 @@ def build_engine_dir(args) -> tuple[Path, dict]:
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, tokens_per_block=args.tokens_per_block,
         max_seq_len=args.max_seq_len or longest, dtype=args.dtype,
         plugin_config=dict(item.split("=", 1) for item in args.plugin),
-        quant_config=QuantConfig(args.quant_algo, args.kv_cache_quant_algo, **(
+        quant_config=QuantConfig(args.quant_algo, args.kv_cache_quant_algo, group_size=args.group_size, **(
             {"exclude_modules": [m for m in args.exclude_modules.split(",") if m]} if args.exclude_modules is not None else {}
         )),
     )
@@ -482,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "git": git_info(), "system": device_info(args.device), "model": args.shape or args.model,
         "load_format": args.load_format, "gc_settled": not args.keep_gc_defaults, "quant_algo": args.quant_algo,
-        "kv_cache_quant_algo": args.kv_cache_quant_algo,
+        "kv_cache_quant_algo": args.kv_cache_quant_algo, "group_size": args.group_size,
         "exclude_modules": args.exclude_modules, "capacity_policy": args.capacity_policy,
         "inprocess": {}, "inprocess_no_overlap": {}, "split": {}, "grpc": {},
     }
