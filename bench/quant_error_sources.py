@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         return ppl
 
     sections = {part for part in args.sections.split(",") if part}
+    if not sections or sections - {"fp8", "int4"}:
+        raise SystemExit(f"--sections takes fp8 and/or int4, got {args.sections!r}")
     if "int4" in sections:
         for group in (128, 64, 32):
             row(f"INT4 weights (groups of {group}, integer zero)", weights=int4_integer_zero(group))
