@@ -124,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
+    sections = {part for part in args.sections.split(",") if part}
+    if not sections or sections - {"fp8", "int4"}:
+        raise SystemExit(f"--sections takes fp8 and/or int4, got {args.sections!r}")
     args.device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     checkpoint = resolve_model(args.model)
     engine_dir = scratch_dir(args.work_dir) / "unquantized"
@@ -152,9 +155,6 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{label}: {ppl:.4f} ({ppl - baseline:+.4f})")
         return ppl
 
-    sections = {part for part in args.sections.split(",") if part}
-    if not sections or sections - {"fp8", "int4"}:
-        raise SystemExit(f"--sections takes fp8 and/or int4, got {args.sections!r}")
     if "int4" in sections:
         for group in (128, 64, 32):
             row(f"INT4 weights (groups of {group}, integer zero)", weights=int4_integer_zero(group))
