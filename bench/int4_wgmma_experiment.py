@@ -10,11 +10,10 @@ exact too; 1.5 instructions per weight. Each plane is one dot of K = BLOCK_K / 8
 8 i + j, and the group's scale multiplies each step's sum in float32.
 
 Result on an H200 (bench/results/h200_int4_wgmma_experiment_llama8b.json): correct (the same error as
-the GEMV), but 1.7-2.1x slower on every Llama-3.1-8B shape at one row (gate_up 52.7 against 28.8 us) and
-1.0-1.7x slower at two rows.
-The compiled loop is 2.9-3.4 instructions per weight (3.3-3.8 with the AWQ input scale), no fewer than
-the GEMV's: Triton stages each
-plane's B tile through shared memory with its own fence, barrier and wgmma wait, eight times a step.
+the GEMV), but 1.7-2.1x slower on every Llama-3.1-8B shape at one row (gate_up 52.7 against 28.8 us)
+and 1.0-1.7x slower at two rows. The compiled loop is 2.9-3.4 instructions per weight (3.3-3.8 with
+the AWQ input scale), no fewer than the GEMV's: Triton stages each plane's B tile through shared
+memory with its own fence, barrier and wgmma wait, eight times a step.
 Not used by the engine; kept so the figures can be reproduced. Run on a GPU:
 ``python bench/int4_wgmma_experiment.py`` (writes the JSON to $OUT, or /tmp).
 """
@@ -134,7 +133,6 @@ def _w4a16_wgmma_kernel(
     _write_tile(tl.trans(acc), rm, rn, M, N, out_ptr, stride_om, part_ptr, lock_ptr, SPLIT_K)
 
 
-
 dev = torch.device("cuda")
 G = 128
 
@@ -161,7 +159,7 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name(), "correctness": {}, "timings": {}}
     result["triton"] = triton.__version__
 
-    # correctness on one shape per K, rows 1 and 2, with a non-trivial AWQ scale and random zeros
+    # correctness on three shapes, at 1, 2 and 5 rows, with a non-trivial AWQ scale and random zeros
     gen = torch.Generator(device=dev).manual_seed(1)
     for n, k in ((4096, 4096), (6144, 4096), (4096, 14336)):
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=dev, dtype=torch.uint8)
@@ -204,7 +202,8 @@ def main() -> None:
         print("rows", rows, "took", round(time.time() - t0, 1), flush=True)
 
     out = os.environ.get("OUT", "/tmp")
-    json.dump(result, open(os.path.join(out, "h200_int4_wgmma_experiment_llama8b.json"), "w"), indent=1)
+    with open(os.path.join(out, "h200_int4_wgmma_experiment_llama8b.json"), "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":
