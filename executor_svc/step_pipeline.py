@@ -47,8 +47,12 @@ class _CompletionWaiter:
     def watch(self, step: LaunchedStep) -> None:
         self._todo.put(step)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Let the thread finish the step it waits on, then end it (a daemon thread still inside torch
+        when the interpreter exits aborts the process)."""
         self._todo.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while (step := self._todo.get()) is not None:

@@ -45,8 +45,12 @@ class InProcessExecutor:
         return await future
 
     async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.pipeline.reset)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.pipeline.reset)
         self.pipeline.stop()
+        # Wait for the model's thread to end: a daemon thread still inside torch when the
+        # interpreter exits is killed there, and torch aborts the process ("terminate called").
+        await loop.run_in_executor(None, self._thread.join, 30.0)
 
 
 def _settle(future: asyncio.Future, result: StepResult | BaseException) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -44,12 +45,17 @@ def test_bad_params_raise_with_field_name(llm):
 
 def test_build_save_and_reload_engine(model_dir, tmp_path, hf_reference):
     build = BuildConfig(max_batch_size=8, max_seq_len=512, tokens_per_block=16, dtype="float32")
+    before = {t.ident for t in threading.enumerate()}  # the module's engine runs on beside these two
     with LLM(model=str(model_dir), build_config=build, device=TEST_DEVICE, kv_cache_gb=0.1) as first:
         saved = first.save_engine(tmp_path / "smol.engine")
         a = first.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     with LLM(engine_dir=saved, device=TEST_DEVICE, kv_cache_gb=0.1) as second:
         b = second.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0))
     assert [o.token_ids for o in a] == [o.token_ids for o in b] == hf_reference[:3]
+    # Shutdown ends the threads the engines started: a daemon thread left inside torch when the
+    # interpreter exits makes torch abort the process.
+    engine_threads = {"inflight-llm", "inflight-executor", "inflight-step-waiter"}
+    assert [t.name for t in threading.enumerate() if t.name in engine_threads and t.ident not in before] == []
 
 
 def test_a_running_engine_keeps_long_lived_objects_out_of_the_collector(llm):
