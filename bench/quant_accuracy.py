@@ -72,13 +72,21 @@ MODES = {
     "W4A16_AWQ_G64": {"quant_algo": "W4A16_AWQ", "group_size": 64},
     "W4A16_AWQ_G32": {"quant_algo": "W4A16_AWQ", "group_size": 32},
     "W4A16_AWQ_GPTQ_G32": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq", "group_size": 32},
+    # INT4 with float zero points: each group's 16 levels span its own min..max (llama.cpp's Q4_1 grid
+    # at groups of 32), where whole-code zeros stretch the range to hold 0.
+    "W4A16_RTN_FLOAT_ZEROS": {"quant_algo": "W4A16_AWQ", "awq_grid_size": 1, "zero_point": "float"},
+    "W4A16_AWQ_FLOAT_ZEROS": {"quant_algo": "W4A16_AWQ", "zero_point": "float"},
+    "W4A16_AWQ_GPTQ_FLOAT_ZEROS": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq", "zero_point": "float"},
+    "W4A16_AWQ_FLOAT_ZEROS_G64": {"quant_algo": "W4A16_AWQ", "zero_point": "float", "group_size": 64},
+    "W4A16_AWQ_FLOAT_ZEROS_G32": {"quant_algo": "W4A16_AWQ", "zero_point": "float", "group_size": 32},
 }
 TARGETS = {
     "W8A16": 0.1, "FP8": 0.1, "FP8_STATIC": 0.1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN": 0.5, "W4A16_AWQ": 0.5,
     "W4A16_RTN": 0.5, "FP8_KV": 0.1, "INT8_KV": 0.1, "FP8+FP8_KV": 0.1,
     "W4A16_GPTQ": 0.5, "W4A16_AWQ_GPTQ": 0.5, "W4A16_AWQ_GPTQ_ONE_PASS": 0.5, "FP8_GPTQ": 0.1,
     "FP8_GPTQ_ONE_PASS": 0.1, "FP8_GPTQ+FP8_KV": 0.1, "W4A16_AWQ_G64": 0.5, "W4A16_AWQ_G32": 0.5,
-    "W4A16_AWQ_GPTQ_G32": 0.5,
+    "W4A16_AWQ_GPTQ_G32": 0.5, "W4A16_RTN_FLOAT_ZEROS": 0.5, "W4A16_AWQ_FLOAT_ZEROS": 0.5,
+    "W4A16_AWQ_GPTQ_FLOAT_ZEROS": 0.5, "W4A16_AWQ_FLOAT_ZEROS_G64": 0.5, "W4A16_AWQ_FLOAT_ZEROS_G32": 0.5,
 }
 
 

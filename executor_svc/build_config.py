@@ -26,6 +26,7 @@ GROUP_SIZES = (32, 64, 128)
 # where a small error shifts every logit, so both stay in high precision.
 DEFAULT_EXCLUDE_MODULES = ("embed_tokens", "lm_head")
 WEIGHT_ROUNDINGS = ("nearest", "gptq")
+ZERO_POINTS = ("integer", "float")
 
 
 class BuildConfigError(ValueError):
@@ -39,6 +40,9 @@ class QuantConfig:
     quant_algo: str = "none"  # none, W8A16, W4A16_AWQ, W8A8_SQ_PER_CHANNEL_PER_TOKEN, FP8
     kv_cache_quant_algo: str = "none"  # none, FP8 (E4M3) or INT8: a 1-byte KV cache with per-layer scales
     group_size: int = 128  # input channels per INT4 scale (W4A16_AWQ)
+    # INT4 zero points: "integer" (whole codes, AWQ's format: 0 is on the grid) or "float" (each
+    # group's grid spans its own min..max, as llama.cpp's Q4_1 and HQQ store it). Same kernels.
+    zero_point: str = "integer"
     smoothquant_alpha: float = 0.5  # migration strength: 0 = all on activations, 1 = all on weights
     activation_scheme: str = "dynamic"  # FP8 activation scales: per token at run time, or "static" per tensor
     # fnmatch patterns of Linear module names kept in high precision ("layers.0.*",
@@ -102,6 +106,10 @@ class QuantConfig:
             raise BuildConfigError(
                 f"group_size must be one of {GROUP_SIZES} for {self.quant_algo}, got {self.group_size}"
             )
+        if self.zero_point not in ZERO_POINTS:
+            raise BuildConfigError(f"zero_point {self.zero_point!r} is not one of {ZERO_POINTS}")
+        if self.zero_point != "integer" and QuantMode.PER_GROUP not in mode:
+            raise BuildConfigError(f"zero_point {self.zero_point!r} applies to INT4 groups (W4A16_AWQ), not {self.quant_algo!r}")
         if self.weight_rounding not in WEIGHT_ROUNDINGS:
             raise BuildConfigError(f"weight_rounding {self.weight_rounding!r} is not one of {WEIGHT_ROUNDINGS}")
         if self.weight_rounding == "gptq" and not mode.quantizes_weights:

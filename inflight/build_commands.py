@@ -31,6 +31,11 @@ def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calib-size", type=int, default=QUANT_DEFAULTS.calib_size, help="calibration texts")
     g.add_argument("--calib-max-tokens", type=int, default=QUANT_DEFAULTS.calib_max_tokens, help="tokens per text")
     g.add_argument("--group-size", type=int, default=QUANT_DEFAULTS.group_size, help="input channels per INT4 scale")
+    g.add_argument(
+        "--zero-point", default=QUANT_DEFAULTS.zero_point, choices=["integer", "float"],
+        help="INT4 zero points: whole codes (AWQ's format) or floats (each group's grid spans its own min..max, "
+        "as llama.cpp's Q4_1 stores it)",
+    )
     g.add_argument("--awq-grid-size", type=int, default=QUANT_DEFAULTS.awq_grid_size, help="AWQ: alpha values tried")
     g.add_argument("--smoothquant-alpha", type=float, default=QUANT_DEFAULTS.smoothquant_alpha, help="SQ strength")
     g.add_argument(
@@ -62,7 +67,8 @@ def quant_build_from_args(args: argparse.Namespace, build: BuildConfig) -> Build
     """``build`` with the quantization flags of ``inflight build`` filled in."""
     quant = dataclasses.replace(
         build.quant_config, calib_data=args.calib_data, calib_size=args.calib_size,
-        calib_max_tokens=args.calib_max_tokens, group_size=args.group_size, awq_grid_size=args.awq_grid_size,
+        calib_max_tokens=args.calib_max_tokens, group_size=args.group_size, zero_point=args.zero_point,
+        awq_grid_size=args.awq_grid_size,
         smoothquant_alpha=args.smoothquant_alpha, activation_scheme=args.activation_scheme,
         weight_rounding=args.weight_rounding, gptq_damp=args.gptq_damp, gptq_sequential=not args.gptq_one_pass,
         exclude_modules=[p.strip() for p in args.exclude_modules.split(",") if p.strip()],

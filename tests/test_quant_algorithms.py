@@ -80,5 +80,5 @@ def test_layer_plan_follows_exclude_patterns():
     assert quantized == ["layers.1.gate_up_proj", "layers.1.o_proj", "layers.1.qkv_proj", "lm_head"]
     assert plan["layers.2.o_proj"].note == "excluded by 'layers.2'"
     assert plan["layers.1.down_proj"].note == "excluded by '*.down_proj'"
-    assert plan["layers.1.qkv_proj"].kind == "gemm_w4a16" and plan["layers.1.qkv_proj"].weight == "int4 g128 asymmetric"
+    assert plan["layers.1.qkv_proj"].kind == "gemm_w4a16" and plan["layers.1.qkv_proj"].weight == "int4 g128 asymmetric, integer zeros"
     assert all(layer.algo == "none" for layer in plan_layers(model, QuantConfig(), 3, "bfloat16"))

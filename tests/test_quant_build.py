@@ -28,6 +28,8 @@ SQ = "W8A8_SQ_PER_CHANNEL_PER_TOKEN"
 MODES = {
     "W8A16": ({"quant_algo": "W8A16"}, Int8WeightOnlyLinear, "qweight", torch.int8),
     "W4A16_AWQ": ({"quant_algo": "W4A16_AWQ"}, Int4AWQLinear, "qweight", torch.uint8),
+    "W4A16_AWQ_FLOAT_ZEROS_G32": ({"quant_algo": "W4A16_AWQ", "zero_point": "float", "group_size": 32}, Int4AWQLinear,
+                                  "qweight", torch.uint8),
     "SQ": ({"quant_algo": SQ}, SmoothQuantLinear, "qweight", torch.int8),
     "FP8": ({"quant_algo": "FP8"}, Fp8Linear, "weight", torch.float8_e4m3fn),
     "FP8_STATIC": ({"quant_algo": "FP8", "activation_scheme": "static"}, Fp8Linear, "weight", torch.float8_e4m3fn),
@@ -120,6 +122,19 @@ def test_smoothquant_folds_into_norms_and_awq_records_its_search(engines):
     assert awq.calibration.num_texts == 2 and awq.calibration.num_tokens > 40
     gate_up = awq.layer("layers.0.gate_up_proj")
     assert "AWQ alpha" in gate_up.note and "clipped" in gate_up.note and gate_up.group_size == 128
+
+
+def test_float_zeros_in_groups_of_32_keep_the_checkpoints_own_int4_grid(engines):
+    """SmolLM2-135M's weights are a dequantized Q4_1 checkpoint (groups of 32 with a float offset):
+    float zeros in groups of 32 put every weight back on its grid point, and the model scores as the
+    float one does, where AWQ's whole-code zeros in groups of 128 cannot."""
+    record = read_manifest(engines("W4A16_AWQ_FLOAT_ZEROS_G32")).quantization
+    layer = record.layer("layers.0.gate_up_proj")
+    assert layer.weight == "int4 g32 asymmetric, float zeros" and layer.group_size == 32
+    # Nothing to gain from AWQ's scales or clipping: the search keeps the grid as it is.
+    assert "AWQ alpha 0.00" in layer.note and "clipped to 1.00" in layer.note, layer.note
+    integer = read_manifest(engines("W4A16_AWQ")).quantization.perplexity
+    assert abs(record.perplexity.increase) < 0.01 * record.perplexity.baseline < abs(integer.increase)
 
 
 @pytest.mark.parametrize("algo", ["FP8", "W4A16_AWQ"])

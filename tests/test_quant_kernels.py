@@ -52,6 +52,39 @@ def test_int4_groups_round_trip_within_half_a_step(in_features, group_size):
     torch.testing.assert_close(qz.fake_quantize_int4(w, group_size), dq)
 
 
+def test_float_int4_zeros_reproduce_a_grid_that_does_not_hold_zero():
+    """Weights on a Q4_1-style grid (each group of 32: codes 0..15 times a step, plus an offset that
+    is no multiple of it) come back from float zeros to float16 precision; whole-code zeros, whose
+    grid must hold 0, cannot follow them."""
+    gen = torch.Generator().manual_seed(3)
+    out, groups, size = 24, 6, 32
+    codes = torch.randint(0, 16, (out, groups, size), generator=gen)
+    codes[:, :, 0], codes[:, :, 1] = 0, 15  # every group uses its whole range, as a Q4_1 quantizer leaves it
+    step = (torch.rand(out, groups, 1, generator=gen) * 0.01 + 0.001).half().float()
+    offset = (-step * (torch.rand(out, groups, 1, generator=gen) * 12 + 1.5)).half().float()
+    w = (codes * step + offset).reshape(out, groups * size).to(DEVICE)
+    packed, scales, zeros = qz.quantize_int4_groupwise(w, size, float_zeros=True)
+    dq = qz.dequantize_int4_groupwise(packed, scales, zeros, size)
+    steps = step.reshape(out, groups).repeat_interleave(size, dim=1).to(DEVICE)
+    assert ((dq - w).abs() <= steps * 0.01).all()  # float16 scales and zeros: a hundredth of a step at most
+    assert not torch.equal(zeros, zeros.round())
+    torch.testing.assert_close(qz.fake_quantize_int4(w, size, float_zeros=True), dq)
+    integer = qz.fake_quantize_int4(w, size)
+    assert ((integer - w).abs() > steps * 0.1).float().mean() > 0.3
+
+
+def test_float_int4_zeros_stay_finite_and_clip_towards_the_middle():
+    w = torch.full((2, 32), 3.0, device=DEVICE)
+    w[0, :16] += 1e-4  # a narrow range far from 0: its zero would pass float16's range at the finest step
+    w[1] = torch.linspace(1.0, 2.0, 32)
+    scales, zeros = qz.int4_group_params(w, 32, float_zeros=True)
+    assert torch.isfinite(zeros).all() and zeros.abs().max() <= qz.FLOAT_ZERO_LIMIT
+    err = (qz.fake_quantize_int4(w, 32, float_zeros=True) - w).abs()
+    assert err[0].max() <= 3.0 / qz.FLOAT_ZERO_LIMIT and err[1].max() <= 1 / 30 + 1e-3
+    clipped = qz.fake_quantize_int4(w[1:], 32, torch.full((1, 1), 0.5, device=DEVICE), float_zeros=True)
+    assert clipped.min() == pytest.approx(1.25, abs=1e-3) and clipped.max() == pytest.approx(1.75, abs=1e-3)
+
+
 def test_int4_packing_puts_even_channels_in_the_low_nibble():
     codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
     assert qz.pack_int4(codes).tolist() == [[0x21, 0x0F]]

@@ -35,11 +35,13 @@ class AWQResult:
 
 @torch.inference_mode()
 def search_awq_scale(
-    samples: torch.Tensor, weight: torch.Tensor, channel_absmean: torch.Tensor, group_size: int, grid_size: int = 20
+    samples: torch.Tensor, weight: torch.Tensor, channel_absmean: torch.Tensor, group_size: int, grid_size: int = 20,
+    float_zeros: bool = False,
 ) -> AWQResult:
     """Grid-search the AWQ scale of one Linear from its calibration inputs.
 
-    samples: [rows, in] inputs the layer saw; weight: [out, in]; channel_absmean: [in].
+    samples: [rows, in] inputs the layer saw; weight: [out, in]; channel_absmean: [in];
+    float_zeros: the INT4 format's zeros (see ``int4_group_params``).
     """
     x = samples.float()
     w = weight.float()
@@ -51,7 +53,7 @@ def search_awq_scale(
         alpha = step / grid_size
         s = salience.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()  # centre the scales around 1 so neither extreme leaves fp16 range
-        dequantized = fake_quantize_int4(w * s[None, :], group_size) / s[None, :]
+        dequantized = fake_quantize_int4(w * s[None, :], group_size, float_zeros=float_zeros) / s[None, :]
         error = float((x @ dequantized.t() - reference).pow(2).mean())
         if step == 0:
             plain_error = error
@@ -65,7 +67,7 @@ def search_awq_scale(
 @torch.inference_mode()
 def search_awq_clip(
     samples: torch.Tensor, weight: torch.Tensor, group_size: int, steps: int = 10, max_shrink: float = 0.5,
-    rows_per_chunk: int = 4096,
+    rows_per_chunk: int = 4096, float_zeros: bool = False,
 ) -> torch.Tensor:
     """Per-group range factors [out, groups] in [1 - max_shrink, 1] minimising each group's output error.
 
@@ -83,7 +85,7 @@ def search_awq_clip(
         for step in range(steps):
             factor = 1.0 - max_shrink * step / steps
             clip = torch.full((w.shape[0], groups), factor, device=weight.device)
-            delta = torch.nn.functional.pad(fake_quantize_int4(w, group_size, clip) - w, (0, pad))
+            delta = torch.nn.functional.pad(fake_quantize_int4(w, group_size, clip, float_zeros) - w, (0, pad))
             delta = delta.view(w.shape[0], groups, group_size)
             error = torch.einsum("ngk,ogk->ogn", x, delta).pow(2).mean(dim=2)  # [out, groups]
             better = error < best_error

@@ -18,7 +18,7 @@ FP8_NAME = "float8_e4m3fn"
 # quant_algo -> (plugin kind, weight format, activation format); "{dtype}" is the engine dtype.
 ALGO_FORMATS = {
     "W8A16": ("gemm_w8a16", "int8 per-channel", "{dtype}"),
-    "W4A16_AWQ": ("gemm_w4a16", "int4 g{group} asymmetric", "{dtype}"),
+    "W4A16_AWQ": ("gemm_w4a16", "int4 g{group} asymmetric, {zero} zeros", "{dtype}"),
     "W8A8_SQ_PER_CHANNEL_PER_TOKEN": ("gemm_w8a8", "int8 per-channel", "int8 per-token dynamic"),
     "FP8": ("gemm_fp8", f"{FP8_NAME} per-tensor", FP8_NAME + " {fp8_activations}"),
 }
@@ -64,7 +64,7 @@ def plan_layers(model: nn.Module, config: QuantConfig, num_layers: int, dtype_na
         fp8_activations = "per-tensor static" if static else "per-token dynamic"
         plan.append(LayerQuant(
             name, config.quant_algo, in_features, out_features, kind,
-            weight=weight.format(group=config.group_size),
+            weight=weight.format(group=config.group_size, zero=config.zero_point),
             activation=activation.format(dtype=dtype_name, fp8_activations=fp8_activations),
             group_size=config.group_size if QuantMode.PER_GROUP in mode else 0,
             pre_quant_scale=QuantMode.AWQ in mode, static_input_scale=static,

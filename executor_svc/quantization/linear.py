@@ -90,14 +90,15 @@ class Int4AWQLinear(_QuantLinear):
     @classmethod
     def from_float(
         cls, weight: torch.Tensor, kernel: Kernel, group_size: int, input_scale: torch.Tensor | None = None,
-        clip: torch.Tensor | None = None, rounding: WeightRounding | None = None,
+        clip: torch.Tensor | None = None, rounding: WeightRounding | None = None, float_zeros: bool = False,
     ) -> Int4AWQLinear:
         """Quantize ``weight * input_scale`` (per input channel; the module divides x by it at run time),
-        with each group's range shrunk by ``clip`` ([out, groups]) when given."""
+        with each group's range shrunk by ``clip`` ([out, groups]) when given; ``float_zeros``: see
+        ``int4_group_params``."""
         module = cls(weight.shape[1], weight.shape[0], kernel, group_size).to(weight.device)
         s = torch.ones(weight.shape[1], device=weight.device) if input_scale is None else input_scale.float()
         scaled = weight.float() * s[None, :]
-        params = int4_group_params(scaled, group_size, clip)
+        params = int4_group_params(scaled, group_size, clip, float_zeros)
         if rounding is not None:
             scaled = rounding(scaled, int4_group_grid(*params, group_size, scaled.shape[1]))
         module.qweight, module.scales, module.zeros = quantize_int4_groupwise(scaled, group_size, params=params)

@@ -6,7 +6,10 @@ Weight formats (``weight``: ``[out, in]``, the Linear layout):
 * INT4 per group of ``group_size`` input channels, asymmetric (as in the AWQ
   paper): ``w ~ (q - zero) * scale``, q in [0, 15], two values per byte (even
   input channel in the low nibble). A last group shorter than ``group_size``
-  (hidden 576 with groups of 128) is allowed.
+  (hidden 576 with groups of 128) is allowed. The zero is a whole code (AWQ's
+  format: the grid holds 0 exactly) or, with ``float_zeros``, any float16 (the
+  grid spans the group's own min..max, as llama.cpp's Q4_1 and HQQ store it).
+  The kernels read both alike: they only ever compute ``zero * scale``.
 * FP8 E4M3 with one scale per tensor: ``w ~ fp8 * scale``.
 
 Activations: INT8 or FP8 with one scale per token (dynamic), or FP8 with one
@@ -34,6 +37,9 @@ GROUP_SCALE_DTYPE = torch.float16
 # Scales never drop below this, so an all-zero row or group quantizes to zeros
 # instead of dividing by zero (and stays a normal float16).
 MIN_SCALE = 1e-5
+# Float INT4 zeros stay within this (float16 reaches 65504): a group whose values are all far
+# from 0 on a narrow range gets a coarser grid rather than an infinite zero.
+FLOAT_ZERO_LIMIT = 16384.0
 
 
 # The per-value rounding of each weight format, in one place: the quantizers below, the error
@@ -47,8 +53,11 @@ def round_int8(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def round_int4(values: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Asymmetric INT4 codes 0..15 of ``values / scales + zeros`` (nearest, saturating), in the values' float dtype."""
-    return (torch.round(values / scales) + zeros).clamp_(0, INT4_MAX)
+    """Asymmetric INT4 codes 0..15 of ``values / scales + zeros`` (nearest, saturating), in the values' float dtype.
+
+    ``zeros`` may be whole codes or any float.
+    """
+    return torch.round(values / scales + zeros).clamp_(0, INT4_MAX)
 
 
 def round_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -96,14 +105,27 @@ def group_values_per_channel(group_values: torch.Tensor, group_size: int, in_fea
 
 
 def int4_group_params(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, float_zeros: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric INT4 (scales, zeros) per group, both [out, groups] in float16 (zeros hold integers 0..15).
+    """Asymmetric INT4 (scales, zeros) per group, both [out, groups] in float16.
 
-    ``clip`` ([out, groups], in (0, 1]) shrinks each group's range: the few
-    weights past it saturate, and all the others get a finer grid.
+    Integer zeros (the default) are whole codes 0..15: the range is stretched to
+    hold 0, which the grid then holds exactly. ``float_zeros``: the grid spans
+    each group's own min..max, 16 levels with no stretch; the zero is any float.
+    ``clip`` ([out, groups], in (0, 1]) shrinks each group's range (towards 0,
+    or towards the range's middle with float zeros): the few weights past it
+    saturate, and all the others get a finer grid.
     """
     w_max, w_min = _group_extrema(weight, group_size)
+    if float_zeros:
+        if clip is not None:
+            middle, half = (w_max + w_min) / 2, (w_max - w_min) / 2 * clip
+            w_max, w_min = middle + half, middle - half
+        # A narrow range far from 0 would put the zero (-min / scale) past float16's range:
+        # a scale of at least 1/FLOAT_ZERO_LIMIT of the group's largest |w| keeps it within.
+        magnitude = torch.maximum(w_max.abs(), w_min.abs()) / FLOAT_ZERO_LIMIT
+        scales = torch.maximum((w_max - w_min) / INT4_MAX, magnitude).clamp(min=MIN_SCALE).to(GROUP_SCALE_DTYPE)
+        return scales, (-w_min / scales.float()).to(GROUP_SCALE_DTYPE)
     w_max, w_min = w_max.clamp(min=0.0), w_min.clamp(max=0.0)  # the range always holds 0, so zero is exact
     if clip is not None:
         w_max, w_min = w_max * clip, w_min * clip
@@ -134,13 +156,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def quantize_int4_groupwise(
     weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None,
-    params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    params: tuple[torch.Tensor, torch.Tensor] | None = None, float_zeros: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """weight [out, in] -> (packed uint8 [out, in / 2], scales [out, groups], zeros [out, groups]).
 
-    ``params``: (scales, zeros) to use instead of ``int4_group_params(weight, group_size, clip)``.
+    ``params``: (scales, zeros) to use instead of ``int4_group_params(weight, group_size, clip, float_zeros)``.
     """
-    scales, zeros = int4_group_params(weight, group_size, clip) if params is None else params
+    scales, zeros = int4_group_params(weight, group_size, clip, float_zeros) if params is None else params
     return pack_int4(int4_codes(weight, scales, zeros, group_size)), scales, zeros
 
 
@@ -154,9 +176,11 @@ def dequantize_int4_groupwise(
     return (codes - zero) * group_values_per_channel(scales, group_size, in_features)
 
 
-def fake_quantize_int4(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize_int4(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, float_zeros: bool = False
+) -> torch.Tensor:
     """Quantize-dequantize round trip in float32 (for searches that only need the error)."""
-    scales, zeros = int4_group_params(weight, group_size, clip)
+    scales, zeros = int4_group_params(weight, group_size, clip, float_zeros)
     in_features = weight.shape[1]
     scale = group_values_per_channel(scales, group_size, in_features)
     zero = group_values_per_channel(zeros, group_size, in_features)

@@ -69,20 +69,22 @@ def _rounding(
 def _awq_module(
     layer: LayerQuant, weight: torch.Tensor, kernel: Kernel, config: QuantConfig, stats: LayerStats | None
 ) -> Int4AWQLinear:
+    float_zeros = config.zero_point == "float"
     if stats is None:
         layer.note = "unit AWQ scales (no calibration)"
-        return Int4AWQLinear.from_float(weight, kernel, layer.group_size)
+        return Int4AWQLinear.from_float(weight, kernel, layer.group_size, float_zeros=float_zeros)
     samples = stats.sample_matrix()
-    found = search_awq_scale(samples, weight, stats.channel_absmean, layer.group_size, config.awq_grid_size)
+    found = search_awq_scale(samples, weight, stats.channel_absmean, layer.group_size, config.awq_grid_size, float_zeros)
     scaled = weight.float() * found.scale[None, :]
-    clip = search_awq_clip(samples / found.scale[None, :], scaled, layer.group_size, max(1, config.awq_grid_size // 2))
+    clip = search_awq_clip(samples / found.scale[None, :], scaled, layer.group_size, max(1, config.awq_grid_size // 2),
+                           float_zeros=float_zeros)
     ratio = found.error / found.plain_error if found.plain_error > 0 else 1.0
     layer.note = (
         f"AWQ alpha {found.alpha:.2f}: output error {ratio:.2f}x round-to-nearest's; "
         f"group ranges clipped to {clip.mean():.2f} on average"
     )
     rounding = _rounding(layer, config, stats, found.scale)
-    return Int4AWQLinear.from_float(weight, kernel, layer.group_size, found.scale, clip, rounding)
+    return Int4AWQLinear.from_float(weight, kernel, layer.group_size, found.scale, clip, rounding, float_zeros)
 
 
 def _smoothquant_module(

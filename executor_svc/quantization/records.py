@@ -21,7 +21,7 @@ class LayerQuant:
     in_features: int
     out_features: int
     kind: str = "gemm"  # the plugin kind its GEMM is: gemm, gemm_w8a16, gemm_w4a16, gemm_w8a8, gemm_fp8
-    weight: str = ""  # stored format: "int8 per-channel", "int4 g128 asymmetric", ..., or the dtype
+    weight: str = ""  # stored format: "int8 per-channel", "int4 g128 asymmetric, integer zeros", ..., or the dtype
     activation: str = ""  # "16-bit", "int8 per-token dynamic", "float8_e4m3fn per-tensor static", ...
     group_size: int = 0
     pre_quant_scale: bool = False  # the module multiplies its input by a per-channel scale
