@@ -47,7 +47,6 @@ from bench_common import log, time_us, write_report  # noqa: E402  (also puts th
 LLAMA_3_1_8B_LAYERS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 # Smoke shapes: N and K off the tile sizes, K a multiple of 8 (INT4 words) on one layer only.
 SMOKE_LAYERS = {"qkv": (96, 256), "down": (40, 200)}
-GROUP_SIZE = 128
 # format -> (plugin kind, quant_algo)
 FORMATS = {"int8": ("gemm_w8a16", "W8A16"), "int4": ("gemm_w4a16", "W4A16_AWQ"), "fp8": ("gemm_fp8", "FP8")}
 GEMV_MAX_ROWS = 4  # GEMV variants are timed up to this many rows, tl.dot variants up to MAX_ROWS
@@ -63,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default=None, help="comma-separated row counts (default 1,2,4,8,16,64; smoke: 1,3)")
     p.add_argument("--layers", default=None, help=f"comma-separated layers (default all: {','.join(LLAMA_3_1_8B_LAYERS)})")
     p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated weight formats: int8,int4,fp8")
+    p.add_argument("--group-size", type=int, default=128, help="INT4 input channels per scale and zero")
     p.add_argument("--no-variants", action="store_true", help="skip the tile variants of the small-M kernels")
     p.add_argument("--include-reference", action="store_true",
                    help="also time the torch references (dequantize the whole weight; always on with --smoke)")
@@ -96,8 +96,10 @@ class Variant:
     split: str = "auto"
 
 
-def variants(fmt: str, smoke: bool) -> list[Variant]:
-    """One knob at a time around the format's default GEMV and tl.dot tiles."""
+def variants(fmt: str, smoke: bool, group_size: int) -> list[Variant]:
+    """One knob at a time around the format's default GEMV and tl.dot tiles, then the one-row GEMV tactics
+    a build times per shape (plugins/quant_gemm_decode.py)."""
+    from plugins.quant_gemm_decode import TACTICS
     from plugins.quant_gemm_decode_config import DOT_TILES, FMA_TILES
 
     def around(kind: str, base) -> list[Variant]:
@@ -110,7 +112,7 @@ def variants(fmt: str, smoke: bool) -> list[Variant]:
                 out.append(Variant(f"{kind} block_n {block_n}", replace(base, block_n=block_n)))
         block_ks = (128, 256, 512) if base.fma else (64, 128, 256)
         for block_k in block_ks:
-            if block_k != base.block_k and not (fmt == "int4" and not base.fma and block_k > GROUP_SIZE):
+            if block_k != base.block_k and not (fmt == "int4" and not base.fma and block_k > group_size):
                 out.append(Variant(f"{kind} block_k {block_k}", replace(base, block_k=block_k)))
         for warps in (2, 8):
             out.append(Variant(f"{kind} warps {warps}", replace(base, num_warps=warps)))
@@ -119,17 +121,21 @@ def variants(fmt: str, smoke: bool) -> list[Variant]:
                 out.append(Variant(f"{kind} stages {stages}", replace(base, num_stages=stages)))
         return out
 
-    return around("gemv", FMA_TILES[fmt]) + around("dot", DOT_TILES[fmt])
+    tactics = [] if smoke else [Variant(f"tactic {name}", config) for name, config in TACTICS.get(fmt, {}).items()]
+    dot = DOT_TILES[fmt]
+    if fmt == "int4":  # the INT4 tl.dot kernels step within one group
+        dot = replace(dot, block_k=min(dot.block_k, group_size))
+    return around("gemv", FMA_TILES[fmt]) + around("dot", dot) + tactics
 
 
-def weight_bytes(fmt: str, n: int, k: int) -> int:
+def weight_bytes(fmt: str, n: int, k: int, group_size: int = 128) -> int:
     """Bytes a GEMM in ``fmt`` must read for its weight: the codes and their scales (and AWQ's input scale)."""
     if fmt == "bf16":
         return 2 * n * k
     if fmt == "int8":
         return n * k + 4 * n
     if fmt == "int4":
-        return n * k // 2 + 2 * 2 * n * -(-k // GROUP_SIZE) + 4 * k
+        return n * k // 2 + 2 * 2 * n * -(-k // group_size) + 4 * k
     return n * k + 4  # fp8
 
 
@@ -173,7 +179,7 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
     gen = torch.Generator(device=device).manual_seed(n * 7 + k)
     weight = torch.randn(n, k, generator=gen, device=device) * k**-0.5
     layers = {fmt: quantized_layer(FORMATS[fmt][0], weight, get_kernel(FORMATS[fmt][0], "torch", device, torch.float32).fn,
-                                   GROUP_SIZE) for fmt in args.formats}
+                                   args.group_size) for fmt in args.formats}
     dense = weight.to(dtype)
     del weight
     results, variant_rows = [], []
@@ -209,7 +215,7 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
                     layer.kernel = reference_kernel
                 results.append({
                     **base, "format": fmt, "impl": spec.name, "us": round(us, 2),
-                    "weight_gb_per_s": round(weight_bytes(fmt, n, k) / us / 1e3, 1),
+                    "weight_gb_per_s": round(weight_bytes(fmt, n, k, args.group_size) / us / 1e3, 1),
                     "speedup_vs_bf16": round(bf16_us / us, 3), "max_rel_diff": diff,
                 })
                 log(f"{name:8s} M={rows:<3d} {fmt:5s} {spec.name:14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16 "
@@ -235,15 +241,25 @@ def measure_variants(fmt: str, layer, x, base: dict, args: argparse.Namespace, t
         expected = gemm_w8a16(x, layer.qweight, layer.scales)
         call = lambda config: decode.w8a16_decode(x, layer.qweight, layer.scales, config)  # noqa: E731
     elif fmt == "int4":
-        expected = gemm_w4a16(x, layer.qweight, layer.scales, layer.zeros, GROUP_SIZE, layer.pre_quant_scale)
+        group = args.group_size
+        expected = gemm_w4a16(x, layer.qweight, layer.scales, layer.zeros, group, layer.pre_quant_scale)
         call = lambda config: decode.w4a16_decode(  # noqa: E731
-            x, layer.qweight, layer.scales, layer.zeros, GROUP_SIZE, layer.pre_quant_scale, config)
+            x, layer.qweight, layer.scales, layer.zeros, group, layer.pre_quant_scale, config)
     else:
         expected = gemm_fp8(x, None, layer.weight, layer.weight_scale, x.dtype)
         call = lambda config: decode.fp8_weight_only_decode(x, layer.weight, layer.weight_scale, x.dtype, config)  # noqa: E731
-    default = decode_config(fmt, rows, n, k, sms, GROUP_SIZE)
+    default = decode_config(fmt, rows, n, k, sms, args.group_size)
     out = []
-    for variant in variants(fmt, args.smoke):
+    runs = [(variant, call) for variant in variants(fmt, args.smoke, args.group_size)]
+    if fmt == "int4":
+        # The GEMVs again with the scales and zeros stored [groups, N] (read transposed): a step's
+        # groups then come from whole lines of N, not a few bytes of each output channel's row.
+        columns = {name: getattr(layer, name).t().contiguous().t() for name in ("scales", "zeros")}
+        by_group = lambda config: decode.w4a16_decode(  # noqa: E731
+            x, layer.qweight, columns["scales"], columns["zeros"], group, layer.pre_quant_scale, config)
+        runs += [(replace(variant, label=f"{variant.label}, scales [groups, N]"), by_group)
+                 for variant, _ in runs if variant.config.fma and variant.split == "auto"]
+    for variant, call in runs:
         if variant.config.fma and rows > GEMV_MAX_ROWS:
             continue
         config = resolve_split(variant.config, rows, n, k, sms)
@@ -264,7 +280,7 @@ def measure_variants(fmt: str, layer, x, base: dict, args: argparse.Namespace, t
         out.append({
             **base, "format": fmt, "variant": variant.label, "config": config.describe(),
             "is_default": config == default, "us": round(us, 2),
-            "weight_gb_per_s": round(weight_bytes(fmt, n, k) / us / 1e3, 1), "max_rel_diff": diff,
+            "weight_gb_per_s": round(weight_bytes(fmt, n, k, args.group_size) / us / 1e3, 1), "max_rel_diff": diff,
         })
         if x.device.type == "cuda":
             torch.cuda.synchronize()
@@ -330,7 +346,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.empty_cache()
     return {
         "layers": {name: {"n": n, "k": k} for name, (n, k) in args.layers.items()}, "rows": args.rows,
-        "formats": {fmt: FORMATS[fmt][1] for fmt in args.formats}, "group_size": GROUP_SIZE, "dtype": args.dtype,
+        "formats": {fmt: FORMATS[fmt][1] for fmt in args.formats}, "group_size": args.group_size, "dtype": args.dtype,
         "triton": triton.__version__, "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
         "num_sms": decode.num_sms(timer.device),
         "defaults": {

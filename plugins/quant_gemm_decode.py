@@ -174,6 +174,7 @@ def w4a16_decode(
 ) -> torch.Tensor:
     """x [M, K], qweight [N, K/2] uint8 (even channel in the low nibble), scales/zeros [N, groups] -> [M, N].
 
+    The scales and zeros may have any strides, the same for both (e.g. [groups, N] storage, transposed).
     ``pre_quant_scale`` [K] (AWQ) multiplies x first. ``config`` as for ``w8a16_decode``; without one, a
     single row runs the tile installed for the weight's shape (``set_int4_tactics``), if any.
     """
@@ -196,7 +197,7 @@ def w4a16_decode(
             raise ValueError(f"INT4 thread_k {config.thread_k} must be a multiple of 8 (whole words) dividing "
                              f"the {chunk} channels of a group within a step")
         return _launch(_w4a16_gemv_kernel, config, x, out, n, k, (words, scales, zeros, pqs),
-                       (words.stride(0), scales.stride(0)), CHUNK=chunk, THREAD_K=config.thread_k, **constants)
+                       (words.stride(0), *scales.stride()), CHUNK=chunk, THREAD_K=config.thread_k, **constants)
     dot = _dot_config("int4", x, n, group_size) if config.fma else config
     if group_size % dot.block_k:
         raise ValueError(f"the INT4 tl.dot kernels step within one group: block_k {dot.block_k} must divide "
@@ -205,10 +206,10 @@ def w4a16_decode(
     # bits, so float32 activations take the byte kernel.
     if words is not None and dot.block_k >= MIN_PLANE_BLOCK_K and x.element_size() == 2:
         return _launch(_w4a16_dot_kernel, dot, x, out, n, k, (words, scales, zeros, pqs),
-                       (words.stride(0), scales.stride(0)), PRECISION=_precision(x.dtype),
+                       (words.stride(0), *scales.stride()), PRECISION=_precision(x.dtype),
                        EVEN_K=k % dot.block_k == 0, **constants)
     return _launch(_w4a16_dot_bytes_kernel, dot, x, out, n, k, (qweight, scales, zeros, pqs),
-                   (qweight.stride(0), scales.stride(0)), PRECISION=_precision(x.dtype), **constants)
+                   (qweight.stride(0), *scales.stride()), PRECISION=_precision(x.dtype), **constants)
 
 
 def fp8_weight_only_decode(

@@ -331,10 +331,10 @@ def _int4_row_step(acc, words, x, a, b, THREAD_WORDS: tl.constexpr):
 
 
 @triton.jit
-def _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                 GROUP: tl.constexpr, EVEN_K: tl.constexpr):
+def _int4_groups(scale_ptr, zero_ptr, group_rows, stride_sg: tl.constexpr, step, n_mask, rc, K, BLOCK_K: tl.constexpr,
+                 CHUNK: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr):
     """The scales and zeros [BLOCK_N, C] of step ``step``'s chunks, as stored."""
-    group_offs = group_rows + (step * BLOCK_K) // GROUP
+    group_offs = group_rows + ((step * BLOCK_K) // GROUP) * stride_sg
     if EVEN_K:
         group_mask = n_mask[:, None]
     else:
@@ -347,7 +347,7 @@ def _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K: 
 @triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_sg: tl.constexpr, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, CHUNK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, THREAD_K: tl.constexpr,
@@ -371,10 +371,10 @@ def _w4a16_gemv_kernel(
     step_words = (rc[:, None] * W + rw[None, :])[None, :, :]  # [1, C, W] within a step
     w_rows = w_ptr + rn[:, None, None] * stride_wn + step_words
     row_mask = n_mask[:, None, None]
-    group_rows = rn[:, None] * stride_sn + rc[None, :]  # a chunk is a whole group when C > 1
+    group_rows = rn[:, None] * stride_sn + rc[None, :] * stride_sg  # a chunk is a whole group when C > 1
     chunk_words = rc[:, None] * CHUNK + rw[None, :] * 8  # [C, W]: each word's first channel within a step
     words = _load_words(w_rows, first * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
-    scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, first, n_mask, rc, K, BLOCK_K, CHUNK, GROUP, EVEN_K)
+    scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, stride_sg, first, n_mask, rc, K, BLOCK_K, CHUNK, GROUP, EVEN_K)
     acc0 = tl.zeros((BLOCK_N, C, W // THREAD_WORDS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, C, W // THREAD_WORDS), dtype=tl.float32)
     acc_rows = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -386,7 +386,7 @@ def _w4a16_gemv_kernel(
             ahead = tl.minimum(step + 1, last - 1)
             current, cur_scale, cur_zero, cur_x0, cur_x1 = words, scale, zero, x0, x1
             words = _load_words(w_rows, ahead * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
-            scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, ahead, n_mask, rc, K, BLOCK_K, CHUNK, GROUP,
+            scale, zero = _int4_groups(scale_ptr, zero_ptr, group_rows, stride_sg, ahead, n_mask, rc, K, BLOCK_K, CHUNK, GROUP,
                                        EVEN_K)
             x0, x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, ahead * BLOCK_K + chunk_words, K, ROWS, HAS_PQS,
                                   EVEN_K)
@@ -394,7 +394,7 @@ def _w4a16_gemv_kernel(
             current, cur_scale, cur_zero, cur_x0, cur_x1 = words, scale, zero, x0, x1
         else:
             current = _load_words(w_rows, step * (BLOCK_K // 8), row_mask, step_words, K // 8, EVEN_K)
-            cur_scale, cur_zero = _int4_groups(scale_ptr, zero_ptr, group_rows, step, n_mask, rc, K, BLOCK_K, CHUNK,
+            cur_scale, cur_zero = _int4_groups(scale_ptr, zero_ptr, group_rows, stride_sg, step, n_mask, rc, K, BLOCK_K, CHUNK,
                                                GROUP, EVEN_K)
             cur_x0, cur_x1 = _int4_x_rows(x_ptr, stride_xm, pqs_ptr, word_k, K, ROWS, HAS_PQS, EVEN_K)
         scale32 = cur_scale.to(tl.float32)
@@ -416,7 +416,7 @@ def _w4a16_gemv_kernel(
 @triton.jit
 def _w4a16_dot_bytes_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_sg: tl.constexpr, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -444,7 +444,7 @@ def _w4a16_dot_bytes_kernel(
         dots = tl.dot(x_even, _int4_codes(packed & 0xF, x.dtype), input_precision=PRECISION)
         dots = tl.dot(x_odd, _int4_codes(packed >> 4, x.dtype), dots, input_precision=PRECISION)
         x_sum = tl.sum(x.to(tl.float32), axis=1)
-        group_offs = rn * stride_sn + k0 // GROUP
+        group_offs = rn * stride_sn + (k0 // GROUP) * stride_sg
         scale = tl.load(scale_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
         # the codes were 16 + q: sum x (q - z) = dots - (16 + z) sum x
@@ -455,7 +455,7 @@ def _w4a16_dot_bytes_kernel(
 @triton.jit
 def _w4a16_dot_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, part_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_wn, stride_sn, stride_om, steps_per_split,
+    M, N, K, stride_xm, stride_wn, stride_sn, stride_sg: tl.constexpr, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -497,7 +497,7 @@ def _w4a16_dot_kernel(
         dots = tl.dot(x6, _int4_plane_codes(w, 6, DTYPE), dots, input_precision=PRECISION)
         dots = tl.dot(x7, _int4_plane_codes(w, 7, DTYPE), dots, input_precision=PRECISION)
         x_sum = tl.sum(x.to(tl.float32), axis=1)
-        group_offs = rn * stride_sn + k0 // GROUP
+        group_offs = rn * stride_sn + (k0 // GROUP) * stride_sg
         scale = tl.load(scale_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
         # the codes were 16 + q: sum x (q - z) = dots - (16 + z) sum x

@@ -125,6 +125,19 @@ def test_w4a16_decode_matches_reference(case, dtype):
     _close(out, gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
 
 
+@pytest.mark.parametrize("case", [W4_CASES[1], W4_CASES[4], W4_CASES[5], W4_CASES[9]], ids=_case_id)
+def test_w4a16_decode_reads_float_zeros_and_scales_stored_by_group(case):
+    """Float zeros (``--zero-point float``) and scales and zeros stored [groups, N] (read transposed)."""
+    rows, k, n, group, with_scale, config = case
+    x, w = _operands(rows, k, n, torch.float16)
+    packed, scales, zeros = qz.quantize_int4_groupwise(w, group, float_zeros=True)
+    assert not torch.equal(zeros, zeros.round())
+    expected = gemm_w4a16(x, packed, scales, zeros, group)
+    by_group = scales.t().contiguous().t(), zeros.t().contiguous().t()
+    assert by_group[0].stride(0) == 1
+    _close(decode.w4a16_decode(x, packed, *by_group, group, None, config), expected, torch.float16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", FP8_CASES, ids=_case_id)
 def test_fp8_weight_only_decode_matches_reference(case, dtype):
