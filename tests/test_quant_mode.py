@@ -71,6 +71,8 @@ def test_invalid_combinations_are_rejected(mode, message):
     (QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", activation_scheme="static"), "per-token activation scales"),
     (QuantConfig("FP8", activation_scheme="weekly"), "activation_scheme 'weekly'"),
     (QuantConfig("W4A16_AWQ", group_size=100), "group_size must be one of"),
+    (QuantConfig("W4A16_AWQ", zero_point="half"), "zero_point 'half' is not one of"),
+    (QuantConfig("W8A16", zero_point="float"), "applies to INT4 groups"),
     (QuantConfig("W8A8_SQ_PER_CHANNEL_PER_TOKEN", smoothquant_alpha=1.5), "smoothquant_alpha"),
     (QuantConfig("W4A16_AWQ", calib_size=0), "calib_size must be positive"),
     (QuantConfig("W4A16_AWQ", exclude_modules=[""]), "exclude_modules"),
@@ -84,7 +86,7 @@ def test_build_config_rejects_bad_quant_settings(quant, message):
 
 
 def test_quant_config_round_trips_through_the_build_config_dict():
-    build = BuildConfig(quant_config=QuantConfig("W4A16_AWQ", group_size=64, exclude_modules=["lm_head", "layers.0.*"]))
+    build = BuildConfig(quant_config=QuantConfig("W4A16_AWQ", group_size=64, zero_point="float", exclude_modules=["lm_head", "layers.0.*"]))
     again = BuildConfig.from_dict(build.to_dict())
     assert again.quant_config == build.quant_config
     assert again.quant_config.quant_mode == Q.INT4_WEIGHTS | Q.PER_GROUP | Q.AWQ
