@@ -22,9 +22,14 @@ names the fastest per format, layer and rows next to the default's time, and
 ``summary`` adds the four layers up per format and rows (a decoder layer's
 GEMMs). Those are what to copy into quant_gemm_decode_config.py.
 
-Times are medians of CUDA events around one call after a warm-up, with 256 MiB
-written before every call so the weights come from HBM, as in a decode step
-(which reads every weight once).
+On a GPU, times come from one CUDA graph that calls the kernel back to back on
+copies of the layer's weights, more copies than L2 holds, so every call reads
+its weights from HBM and no launch overhead counts, as in a decode step (which
+reads every weight once and replays a graph): the median of ``--repeats``
+replays, divided by the calls. Timing each call between CUDA events instead
+measured the host's kernel launch (Triton's launcher takes longer than these
+kernels run) and spread the same tile over 12 to 85 us. On the CPU, the median
+wall clock of one call.
 
     python bench/quant_gemm_kernels.py --output bench/results/h200_quant_gemm_kernels.json
 
@@ -35,6 +40,7 @@ written before every call so the weights come from HBM, as in a decode step
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from collections.abc import Callable
@@ -67,7 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--include-reference", action="store_true",
                    help="also time the torch references (dequantize the whole weight; always on with --smoke)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10; smoke: 1)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls, median kept (default 50; smoke: 2)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs (CUDA graph replays on a GPU), median kept (default 50; smoke: 2)")
     args = p.parse_args(argv)
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -144,19 +150,33 @@ def _rel_diff(out, expected) -> float:
     return (out.float() - expected.float()).abs().max().item() / scale
 
 
+# The weight copies a timing cycles through add up to at least this many bytes: three times an
+# H100/H200's L2 (50 MiB), so each call's weights have left L2 before they are read again.
+ROTATION_BYTES = 150 << 20
+MIN_GRAPH_CALLS = 8  # a graph replay this long dwarfs the events around it
+
+
 class Timer:
-    """Times calls as the module docstring says; keeps the L2 flush buffer."""
+    """Times calls as the module docstring says."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
         self.device = torch.device(args.device)
         self.args = args
-        self.flush = torch.empty(256 << 20, dtype=torch.int8, device=self.device) if self.device.type == "cuda" else None
 
-    def __call__(self, fn: Callable[[], object]) -> float:
-        flush = self.flush.zero_ if self.flush is not None else None
-        return time_us(fn, self.device, self.args.warmup, self.args.repeats, flush)
+    def copies(self, nbytes: int) -> int:
+        """How many copies of ``nbytes`` of weights a timing cycles through (1 on the CPU)."""
+        return max(1, -(-ROTATION_BYTES // max(1, nbytes))) if self.device.type == "cuda" else 1
+
+    def __call__(self, fn: Callable[[object], object], copies: list) -> float:
+        """Microseconds per ``fn(copy)``."""
+        if self.device.type != "cuda":
+            return time_us(lambda: fn(copies[0]), self.device, self.args.warmup, self.args.repeats)
+        from plugins.timing import graph_time_us
+
+        calls = [lambda c=c: fn(c) for c in copies] * -(-MIN_GRAPH_CALLS // len(copies))
+        return graph_time_us(calls, self.device, self.args.repeats, warmup=min(len(calls), self.args.warmup))
 
 
 def _runs_here(spec, device, dtype) -> bool:
@@ -182,11 +202,14 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
                                    args.group_size) for fmt in args.formats}
     dense = weight.to(dtype)
     del weight
+    dense_copies = [dense] + [dense.clone() for _ in range(timer.copies(weight_bytes("bf16", n, k)) - 1)]
+    layer_copies = {fmt: [layer] + [copy.deepcopy(layer) for _ in range(timer.copies(
+        weight_bytes(fmt, n, k, args.group_size)) - 1)] for fmt, layer in layers.items()}
     results, variant_rows = [], []
     for rows in args.rows:
         x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
         base = {"layer": name, "n": n, "k": k, "rows": rows}
-        bf16_us = timer(lambda: F.linear(x, dense))
+        bf16_us = timer(lambda w: F.linear(x, w), dense_copies)
         results.append({**base, "format": "bf16", "impl": "torch F.linear", "us": round(bf16_us, 2),
                         "weight_gb_per_s": round(weight_bytes("bf16", n, k) / bf16_us / 1e3, 1), "speedup_vs_bf16": 1.0})
         for fmt in args.formats:
@@ -201,18 +224,20 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
 
                     if not scaled_mm_supported(device):
                         continue
-                layer.kernel = spec.fn
+                for c in layer_copies[fmt]:
+                    c.kernel = spec.fn
                 expected = reference
                 if rows <= weight_only_rows(spec.fn):  # FP8 weight-only: compare with unquantized activations
                     expected = gemm_fp8(x, None, layer.weight, layer.weight_scale, dtype)
                 try:
                     diff = _rel_diff(layer(x), expected)
-                    us = timer(lambda: layer(x))
+                    us = timer(lambda c: c(x), layer_copies[fmt])
                 except Exception as exc:  # a candidate that refuses the shape is a result, not a crash
                     results.append({**base, "format": fmt, "impl": spec.name, "error": f"{type(exc).__name__}: {exc}"})
                     continue
                 finally:
-                    layer.kernel = reference_kernel
+                    for c in layer_copies[fmt]:
+                        c.kernel = reference_kernel
                 results.append({
                     **base, "format": fmt, "impl": spec.name, "us": round(us, 2),
                     "weight_gb_per_s": round(weight_bytes(fmt, n, k, args.group_size) / us / 1e3, 1),
@@ -221,12 +246,13 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
                 log(f"{name:8s} M={rows:<3d} {fmt:5s} {spec.name:14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16 "
                     f"{bf16_us:8.1f} us")
             if not args.no_variants:
-                variant_rows += measure_variants(fmt, layer, x, base, args, timer)
+                variant_rows += measure_variants(fmt, layer_copies[fmt], x, base, args, timer)
     return results, variant_rows
 
 
-def measure_variants(fmt: str, layer, x, base: dict, args: argparse.Namespace, timer: Timer) -> list[dict]:
-    """The small-M kernel of ``fmt`` under each applicable tile variant, on ``layer``'s weights."""
+def measure_variants(fmt: str, layers: list, x, base: dict, args: argparse.Namespace, timer: Timer) -> list[dict]:
+    """The small-M kernel of ``fmt`` under each applicable tile variant, on the weights of ``layers``
+    (copies of one layer; the first is the one checked against the reference)."""
     import torch
 
     from plugins import quant_gemm_decode as decode
@@ -237,29 +263,33 @@ def measure_variants(fmt: str, layer, x, base: dict, args: argparse.Namespace, t
     if rows > decode.MAX_ROWS:
         return []
     sms = decode.num_sms(x.device)
+    layer = layers[0]
+    # call(config, weights): the kernel on one copy's weights (the tuple ``weights(copy)`` gives)
     if fmt == "int8":
         expected = gemm_w8a16(x, layer.qweight, layer.scales)
-        call = lambda config: decode.w8a16_decode(x, layer.qweight, layer.scales, config)  # noqa: E731
+        weights = lambda c: (c.qweight, c.scales)  # noqa: E731
+        call = lambda config, w: decode.w8a16_decode(x, *w, config)  # noqa: E731
     elif fmt == "int4":
         group = args.group_size
         expected = gemm_w4a16(x, layer.qweight, layer.scales, layer.zeros, group, layer.pre_quant_scale)
-        call = lambda config: decode.w4a16_decode(  # noqa: E731
-            x, layer.qweight, layer.scales, layer.zeros, group, layer.pre_quant_scale, config)
+        weights = lambda c: (c.qweight, c.scales, c.zeros)  # noqa: E731
+        call = lambda config, w: decode.w4a16_decode(  # noqa: E731
+            x, *w, group, layer.pre_quant_scale, config)
     else:
         expected = gemm_fp8(x, None, layer.weight, layer.weight_scale, x.dtype)
-        call = lambda config: decode.fp8_weight_only_decode(x, layer.weight, layer.weight_scale, x.dtype, config)  # noqa: E731
+        weights = lambda c: (c.weight, c.weight_scale)  # noqa: E731
+        call = lambda config, w: decode.fp8_weight_only_decode(x, *w, x.dtype, config)  # noqa: E731
+    copies = [weights(c) for c in layers]
     default = decode_config(fmt, rows, n, k, sms, args.group_size)
     out = []
-    runs = [(variant, call) for variant in variants(fmt, args.smoke, args.group_size)]
+    runs = [(variant, copies) for variant in variants(fmt, args.smoke, args.group_size)]
     if fmt == "int4":
         # The GEMVs again with the scales and zeros stored [groups, N] (read transposed): a step's
         # groups then come from whole lines of N, not a few bytes of each output channel's row.
-        columns = {name: getattr(layer, name).t().contiguous().t() for name in ("scales", "zeros")}
-        by_group = lambda config: decode.w4a16_decode(  # noqa: E731
-            x, layer.qweight, columns["scales"], columns["zeros"], group, layer.pre_quant_scale, config)
+        by_group = [(q, s.t().contiguous().t(), z.t().contiguous().t()) for q, s, z in copies]
         runs += [(replace(variant, label=f"{variant.label}, scales [groups, N]"), by_group)
                  for variant, _ in runs if variant.config.fma and variant.split == "auto"]
-    for variant, call in runs:
+    for variant, run_copies in runs:
         if variant.config.fma and rows > GEMV_MAX_ROWS:
             continue
         config = resolve_split(variant.config, rows, n, k, sms)
@@ -271,8 +301,8 @@ def measure_variants(fmt: str, layer, x, base: dict, args: argparse.Namespace, t
                 continue  # splits of one step or less: not a variant worth timing
             config = replace(config, split_k=2 * config.split_k)
         try:
-            diff = _rel_diff(call(config), expected)
-            us = timer(lambda: call(config))
+            diff = _rel_diff(call(config, run_copies[0]), expected)
+            us = timer(lambda w: call(config, w), run_copies)
         except Exception as exc:  # e.g. a tile that does not fit: recorded, not fatal
             out.append({**base, "format": fmt, "variant": variant.label, "config": config.describe(),
                         "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -357,8 +387,9 @@ def run(args: argparse.Namespace) -> dict:
         },
         "timing": {
             "warmup": args.warmup, "repeats": args.repeats,
-            "method": ("median of CUDA events per call, 256 MiB written before each call to flush L2"
-                       if timer.device.type == "cuda" else "median wall clock per call"),
+            "method": (f"one CUDA graph of back-to-back calls over weight copies of at least {ROTATION_BYTES >> 20} "
+                       f"MiB in all; median of the replays per call" if timer.device.type == "cuda"
+                       else "median wall clock per call"),
         },
         "summary": summarize(results), "best": best_variants(variant_rows), "results": results,
         "variants": variant_rows,

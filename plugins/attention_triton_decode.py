@@ -145,10 +145,11 @@ def _decode_split_kernel(
     SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr, KV_F16: tl.constexpr,
     PDL: tl.constexpr, TREE: tl.constexpr,
 ):
-    enter(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata is read before waiting for the kernel before (plugins/pdl.py): two
+    # dependent loads off the critical path of a kernel that is mostly latency at small batches.
     row = tl.load(rows_ptr + b)
     token = tl.load(tokens_ptr + b)
     seq_len = tl.load(lens_ptr + row).to(tl.int32)  # the query sits at position seq_len - 1
@@ -157,6 +158,9 @@ def _decode_split_kernel(
         first = tl.maximum(seq_len - WINDOW, 0)
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: an empty split
+    if TREE:  # a draft-tree row: bit d of its mask says whether it sees the key d positions back
+        tree_mask = tl.load(tree_masks_ptr + row)
+    enter(PDL)  # q, and the key and value just written, come from the kernels before
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -174,8 +178,6 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table = tables_ptr + row.to(tl.int64) * stride_table
-    if TREE:  # a draft-tree row: bit d of its mask says whether it sees the key d positions back
-        tree_mask = tl.load(tree_masks_ptr + row)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -233,10 +235,10 @@ def _decode_merge_kernel(
     num_splits, num_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
-    enter(PDL)
     b = tl.program_id(0)
     head = tl.program_id(1)
-    token = tl.load(tokens_ptr + b)
+    token = tl.load(tokens_ptr + b)  # metadata: read before the wait
+    enter(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits

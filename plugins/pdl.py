@@ -17,7 +17,14 @@ previous one is still running:
   and its writes are visible.
 
 The rule every kernel here keeps: nothing before ``enter`` reads an activation
-or writes anything; weights and other constants may be read. A kernel launched
+or writes anything; weights and other constants may be read, and so may the
+step's metadata (positions, cache slots, block tables, context lengths). A
+kernel's early part runs only once the kernel before it has passed its own
+wait, so every kernel two or more launches back has finished and its writes
+are visible; a decode layer's metadata readers (RoPE, attention) come at least
+two launches after anything that writes metadata (the host's copies before the
+step, or a chained speculative round's bookkeeping before its embedding and
+first norm). A kernel launched
 without PDL, or one that follows a kernel that never triggers, behaves as
 before (the wait returns at once, the trigger is implicit at completion), so
 mixing PDL and ordinary kernels on one stream is correct. CUDA graph capture

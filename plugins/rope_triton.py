@@ -111,8 +111,9 @@ if triton is not None:
         IS_NEOX: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
         KV_QUANT: tl.constexpr, PDL: tl.constexpr,
     ):
-        enter(PDL)
         token = tl.program_id(0).to(tl.int64)
+        # Positions, slots and the cos/sin tables are step inputs and constants: read before the
+        # wait for the kernel before (plugins/pdl.py), which takes two dependent loads off the path.
         position = tl.load(positions_ptr + token)
         slot = tl.load(slots_ptr + token)
         half = head_dim // 2
@@ -129,6 +130,7 @@ if triton is not None:
         sin1 = tl.load(sin_ptr + row + first, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
         cos2 = tl.load(cos_ptr + row + second, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
         sin2 = tl.load(sin_ptr + row + second, mask=col_mask, other=0.0).to(dtype).to(tl.float32)
+        enter(PDL)  # q, k and v are the projection's output
 
         _rotate_heads(
             q_ptr + token * q_token_stride, q_head_stride, q_out_ptr + token * num_heads * head_dim, head_dim,
