@@ -31,6 +31,7 @@ from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
 from executor_svc.packed_forward import MAX_ROWS_PER_CHUNK
 from executor_svc.quantization.kv_cache import apply_kv_cache_scales, kv_cache_dtype
+from executor_svc.quantization.linear import Int4AWQLinear
 from executor_svc.quantization.records import KVCacheQuant
 from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
 from executor_svc.warm_up import warm_up_prompt_step
@@ -134,6 +135,9 @@ def load_engine(engine_dir: Path, runtime: RuntimeConfig | None = None) -> Engin
         missing, unexpected = load_model(model, str(engine_dir / WEIGHTS_NAME), strict=True, device=str(device))
         if missing or unexpected:
             raise RuntimeError(f"{engine_dir}: weights do not match the model (missing {missing}, unexpected {unexpected})")
+    for module in model.modules():
+        if isinstance(module, Int4AWQLinear):
+            module.store_scales_by_group()
 
     build = manifest.build_config
     apply_kv_cache_scales(model, _kv_cache_record(manifest, engine_dir))

@@ -316,8 +316,9 @@ def tune_int4_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype
     def make_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
         groups = -(-k // TUNE_GROUP)
-        scales = torch.rand(n, groups, generator=gen, device=device).to(torch.float16) * 0.01
-        zeros = torch.full((n, groups), 8.0, device=device, dtype=torch.float16)
+        # [N, groups] laid out by group, as a loaded engine holds them (Int4AWQLinear.store_scales_by_group)
+        scales = (torch.rand(groups, n, generator=gen, device=device) * 0.01).to(torch.float16).t()
+        zeros = torch.full((groups, n), 8.0, device=device, dtype=torch.float16).t()
         return packed, scales, zeros, torch.ones(k, device=device)
 
     candidates = {

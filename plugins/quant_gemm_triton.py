@@ -71,8 +71,8 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_kernel(
-        x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-        GROUP: tl.constexpr, HAS_PQS: tl.constexpr,
+        x_ptr, w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sg,
+        stride_om, GROUP: tl.constexpr, HAS_PQS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
     ):
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,8 +94,8 @@ if triton is not None:
                 mask=(rn[None, :] < N) & (k_even[:, None] < K), other=0,
             )  # [BLOCK_K / 2, BLOCK_N] uint8
             group = k0 // GROUP
-            scale = tl.load(scale_ptr + rn * stride_sn + group, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-            zero = tl.load(zero_ptr + rn * stride_sn + group, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            scale = tl.load(scale_ptr + rn * stride_sn + group * stride_sg, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            zero = tl.load(zero_ptr + rn * stride_sn + group * stride_sg, mask=rn < N, other=0.0).to(tl.float32)[None, :]
             w_even = ((packed & 0xF).to(tl.float32) - zero) * scale
             w_odd = ((packed >> 4).to(tl.float32) - zero) * scale
             acc += tl.dot(x_even, w_even.to(x_even.dtype), input_precision=PRECISION)
@@ -126,15 +126,17 @@ if triton is not None:
         x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
         pre_quant_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [M, K], qweight: [N, K/2] uint8, scales/zeros: [N, groups] -> [M, N]
+        # x: [M, K], qweight: [N, K/2] uint8, scales/zeros: [N, groups] of any (shared) layout -> [M, N]
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if scales.stride() != zeros.stride():
+            raise ValueError("INT4 scales and zeros must share one layout")
         (m, k), n = x.shape, qweight.shape[0]
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
         config = _config(m, group_size)
         grid = (triton.cdiv(m, config["BLOCK_M"]), triton.cdiv(n, config["BLOCK_N"]))
         _w4a16_kernel[grid](
             x, qweight, scales, zeros, pre_quant_scale if pre_quant_scale is not None else scales, out,
-            m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            m, n, k, x.stride(0), qweight.stride(0), *scales.stride(), out.stride(0),
             GROUP=group_size, HAS_PQS=pre_quant_scale is not None, PRECISION=_precision(x.dtype), **config,
         )
         return out

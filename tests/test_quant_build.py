@@ -77,6 +77,8 @@ def test_each_mode_builds_validates_and_reloads_the_same_model(engines, label):
 
     engine = load_engine(engine_dir, RuntimeConfig(device=TEST_DEVICE, kv_cache_bytes=32 << 20))
     assert isinstance(engine.model.layers[0].qkv_proj, module_class)
+    if module_class is Int4AWQLinear:  # held [groups, N] in memory, as the GEMVs read them best
+        assert engine.model.layers[0].qkv_proj.scales.stride(0) == engine.model.layers[0].qkv_proj.zeros.stride(0) == 1
     # The reloaded engine scores the held-out texts exactly as the build's quantized model did.
     ids = encode_texts(engine_dir, held_out_texts(GATE.num_texts)[0], GATE.max_tokens)
     runner = PromptForward.create(engine.model, engine.model_config, GATE.max_tokens, 16, engine.device, engine.dtype)

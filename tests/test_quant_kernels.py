@@ -212,6 +212,20 @@ def test_w4a16_triton_matches_reference(shape, dtype, group_size, with_scale):
     _close(out, gemm_w4a16(x, packed, scales, zeros, group_size, pqs), dtype)
 
 
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_w4a16_triton_reads_scales_laid_out_by_group(group_size):
+    """A loaded engine holds INT4 scales and zeros [groups, N] in memory (Int4AWQLinear.store_scales_by_group)."""
+    m, k, n = SHAPES[-1]
+    x, w = _randn(m, k, seed=m), _randn(n, k, seed=n, scale=k**-0.5)
+    packed, scales, zeros = qz.quantize_int4_groupwise(w, group_size, float_zeros=True)
+    by_group = scales.t().contiguous().t(), zeros.t().contiguous().t()
+    assert by_group[0].stride() == (1, n)
+    out = triton_kernels.gemm_w4a16_triton(x, packed, *by_group, group_size)
+    _close(out, gemm_w4a16(x, packed, scales, zeros, group_size), torch.float32)
+    with pytest.raises(ValueError, match="share one layout"):
+        triton_kernels.gemm_w4a16_triton(x, packed, by_group[0], zeros, group_size)
+
+
 def test_registry_places_each_kernel_where_it_runs():
     cpu = torch.device("cpu")
     for kind in ("gemm_w8a16", "gemm_w4a16", "gemm_w8a8", "gemm_fp8"):
