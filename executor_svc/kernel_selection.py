@@ -212,16 +212,17 @@ TACTIC_KERNELS = {
 
 def tune_tactics(
     kind: str, requested: str, candidates: list[KernelSpec], model: ModelConfig, device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype, **weight_format,
 ) -> dict[str, dict[str, dict]]:
     """Per-shape variants of the candidates that have them, timed on the model's weight shapes before the
-    candidates are timed against each other: candidate -> {"NxK": {"tactic": variant, "timings_us": ...}}."""
+    candidates are timed against each other: candidate -> {"NxK": {"tactic": variant, "timings_us": ...}}.
+    ``weight_format``: what else the kind's timing function takes (an INT4 ``group_size``)."""
     if kind not in TACTIC_KERNELS:
         return {}
     name, module, tune, _ = TACTIC_KERNELS[kind]
     if requested not in ("auto", name) or not any(c.name == name and c.supports(device, dtype) for c in candidates):
         return {}
-    report = getattr(importlib.import_module(module), tune)(linear_shapes(model), device, dtype)
+    report = getattr(importlib.import_module(module), tune)(linear_shapes(model), device, dtype, **weight_format)
     for key, entry in report.items():
         log.info("%s %s: %s (%s)", kind, key, entry["tactic"],
                  ", ".join(f"{n} {t:.1f} us" for n, t in entry["timings_us"].items()))

@@ -264,8 +264,9 @@ FP8_TACTICS = {
     **_tiles(((32, 256, 4), (64, 256, 4), (32, 512, 4), (64, 256, 8), (128, 256, 8)), stages=1, thread_k=16),
 }
 INT4_TACTICS = {
-    **_tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4), (128, 256, 8)),
-             stages=2),
+    # (16, 256, 4): the best tile for gate_up with groups of 32 (h200_quant_gemm_int4_g32_graphs_llama8b.json)
+    **_tiles(((64, 256, 4), (128, 128, 4), (128, 128, 8), (256, 128, 8), (64, 128, 4), (32, 256, 4), (128, 256, 8),
+              (16, 256, 4)), stages=2),
     **_tiles(((64, 256, 4), (128, 128, 4), (128, 256, 8), (256, 128, 8), (64, 128, 4)), stages=2, thread_k=32),
 }
 TACTICS = {FP8_FORMAT: FP8_TACTICS, INT4_FORMAT: INT4_TACTICS}
@@ -306,27 +307,34 @@ def tune_fp8_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype:
     )
 
 
-TUNE_GROUP = 128  # INT4 tactics are timed with groups of this size (AWQ's usual), whatever the model's
+TUNE_GROUP = 128  # the group size INT4 tactics are timed with when the caller names none (AWQ's usual)
 
 
-def tune_int4_tactics(shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, dict]:
-    """Time every INT4 GEMV tactic at one row on each (N, K) shape (groups of ``TUNE_GROUP``, an AWQ input
-    scale); install and return the fastest per shape."""
+def tune_int4_tactics(
+    shapes: list[tuple[int, int]], device: torch.device, dtype: torch.dtype, group_size: int = TUNE_GROUP,
+) -> dict[str, dict]:
+    """Time every INT4 GEMV tactic at one row on each (N, K) shape (groups of ``group_size``, an AWQ input
+    scale); install and return the fastest per shape.
+
+    The group size changes which tile wins: tactics chosen with groups of 128 cost an engine with
+    groups of 32 about 12 us a Llama-3.1-8B layer against that engine's own best tiles
+    (qkv 17.0 against 11.0 us; ``h200_quant_gemm_int4_g32_graphs_llama8b.json``).
+    """
 
     def make_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
         packed = torch.randint(0, 256, (n, k // 2), generator=gen, device=device, dtype=torch.uint8)
-        groups = -(-k // TUNE_GROUP)
+        groups = -(-k // group_size)
         # [N, groups] laid out by group, as a loaded engine holds them (Int4AWQLinear.store_scales_by_group)
         scales = (torch.rand(groups, n, generator=gen, device=device) * 0.01).to(torch.float16).t()
         zeros = torch.full((groups, n), 8.0, device=device, dtype=torch.float16).t()
         return packed, scales, zeros, torch.ones(k, device=device)
 
     candidates = {
-        name: lambda x, q, s, z, pqs, c=config: w4a16_decode(x, q, s, z, TUNE_GROUP, pqs, config=c)
+        name: lambda x, q, s, z, pqs, c=config: w4a16_decode(x, q, s, z, group_size, pqs, config=c)
         for name, config in INT4_TACTICS.items()
     }
     return gemv_tactics.tune(
-        INT4_FORMAT, [(n, k) for n, k in shapes if k % 8 == 0], device, 0.5 + 4 / TUNE_GROUP, make_weight,
+        INT4_FORMAT, [(n, k) for n, k in shapes if k % 8 == 0], device, 0.5 + 4 / group_size, make_weight,
         lambda k, gen: torch.randn(1, k, generator=gen, device=device, dtype=dtype), candidates,
     )
 

@@ -224,8 +224,10 @@ def test_gemv_tactics_are_timed_per_shape_and_installed(monkeypatch, fmt):
     from plugins import gemv_tactics
 
     monkeypatch.setattr(gemv_tactics, "_tables", {})
-    tune = decode.tune_fp8_tactics if fmt == "fp8" else decode.tune_int4_tactics
-    report = tune([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16)
+    if fmt == "fp8":
+        report = decode.tune_fp8_tactics([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16)
+    else:  # timed with the engine's group size
+        report = decode.tune_int4_tactics([(1024, 4096), (4096, 1024)], DEVICE, torch.bfloat16, group_size=32)
     assert set(report) == {"1024x4096", "4096x1024"}
     for key, entry in report.items():
         assert set(entry["timings_us"]) == set(decode.TACTICS[fmt]) and "failed" not in entry

@@ -291,3 +291,19 @@ def test_fused_fp8_per_token_quantization_equals_the_reference(shape, dtype):
     strided = x.t().contiguous().t()  # the dispatcher copies a column-major view first
     if shape[0]:
         assert torch.equal(qz.quantize_fp8_per_token(strided)[0].view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_int4_tactics_are_timed_with_the_engines_group_size(monkeypatch):
+    """A build times the INT4 GEMV tiles with its own group size: the best tile differs between 32 and 128."""
+    from executor_svc.build_config import BuildConfig, QuantConfig
+    from executor_svc.model.config import ModelConfig
+    from executor_svc.quantization import kernel_choice
+
+    asked = []
+    monkeypatch.setattr(kernel_choice, "tune_tactics", lambda kind, *args, **weight_format: asked.append(
+        (kind, weight_format)) or {})
+    model = ModelConfig("tiny", "LlamaForCausalLM", 256, 64, 128, 1, 4, 2, 16, 1e-5, 10000.0, None, 256, False)
+    for quant, expected in ((QuantConfig("W4A16_AWQ", group_size=32), {"group_size": 32}), (QuantConfig("FP8"), {})):
+        asked.clear()
+        kernel_choice.select_quant_plugins(model, BuildConfig(quant_config=quant), torch.device("cpu"), torch.float32)
+        assert asked == [(kernel_choice.ALGO_FORMATS[quant.quant_algo][0], expected)]

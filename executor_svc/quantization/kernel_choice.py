@@ -110,7 +110,8 @@ def select_quant_plugins(
         reference = next(spec for spec in candidates if spec.name == REFERENCE)
         choice = PluginChoice(REFERENCE, requested, {REFERENCE: time_kernel(reference.fn, args, device)}, True, why)
     else:
-        tactics = tune_tactics(kind, requested, runnable, model, device, dtype)
+        tactics = tune_tactics(kind, requested, runnable, model, device, dtype,
+                               **({"group_size": group} if kind == "gemm_w4a16" else {}))
         choice = choose(kind, requested, candidates, device, dtype, args, build.allow_fallback)
         record_tactics(choice, tactics)
     tokens = " + ".join(map(str, benchmark_tokens(kind, build)))
