@@ -119,19 +119,22 @@ def test_rope_and_attention_reading_metadata_early_match_ordinary_launches():
     slots = torch.zeros_like(positions)
     caches = k_cache.clone(), v_cache.clone()
 
-    def set_step(lens: list[int]) -> None:
+    def set_step(lens: list[int], tables: torch.Tensor) -> None:
         """The metadata of a step whose rows have these context lengths (their new token's included)."""
         meta.context_lens_t.copy_(torch.tensor(lens))
-        meta.block_tables.copy_(torch.randperm(k_cache.shape[0])[: meta.block_tables.numel()].view(meta.block_tables.shape))
-        tables = meta.block_tables.cpu()
+        meta.block_tables.copy_(tables)
         positions.copy_(torch.tensor([n - 1 for n in lens]))
         slots.copy_(torch.tensor([int(tables[r, (n - 1) // block]) * block + (n - 1) % block for r, n in enumerate(lens)]))
         k_cache.copy_(caches[0])
         v_cache.copy_(caches[1])
 
+    def random_tables() -> torch.Tensor:  # distinct blocks everywhere
+        return torch.randperm(k_cache.shape[0])[: meta.block_tables.numel()].view(meta.block_tables.shape)
+
     chain = lambda: _attention_chain(x, norm_weight, cos, sin, positions, slots, k_cache, v_cache, meta, heads,  # noqa: E731
                                      kv_heads)
-    set_step([n for n, _ in requests])
+
+    set_step([n for n, _ in requests], random_tables())
     with pdl.forced(True):
         chain()  # compiles the PDL variants
         torch.cuda.synchronize()
@@ -140,10 +143,10 @@ def test_rope_and_attention_reading_metadata_early_match_ordinary_launches():
             out = chain()
     torch.manual_seed(0)
     for step in range(10):
-        lens = torch.randint(1, meta.block_tables.shape[1] * block, (len(requests),)).tolist()
-        set_step(lens)
+        lens, tables = torch.randint(1, meta.block_tables.shape[1] * block, (len(requests),)).tolist(), random_tables()
+        set_step(lens, tables)
         with pdl.forced(False):
             want = chain().clone()
-        set_step(lens)
+        set_step(lens, tables)
         graph.replay()
         assert torch.equal(out, want), f"step {step}"
