@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from executor_svc.build_config import PLUGIN_KINDS, QUANT_PLUGIN_KINDS, BuildConfig, QuantConfig
+from executor_svc.build_config import PLUGIN_KINDS, QUANT_PLUGIN_KINDS, ZERO_POINTS, BuildConfig, QuantConfig
 from executor_svc.engine_file import EngineManifest, EngineMismatchError, is_engine_dir, read_manifest
 from executor_svc.quantization.records import KVCacheQuant
 
@@ -32,7 +32,7 @@ def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calib-max-tokens", type=int, default=QUANT_DEFAULTS.calib_max_tokens, help="tokens per text")
     g.add_argument("--group-size", type=int, default=QUANT_DEFAULTS.group_size, help="input channels per INT4 scale")
     g.add_argument(
-        "--zero-point", default=QUANT_DEFAULTS.zero_point, choices=["integer", "float"],
+        "--zero-point", default=QUANT_DEFAULTS.zero_point, choices=ZERO_POINTS,
         help="INT4 zero points: whole codes (AWQ's format) or floats (each group's grid spans its own min..max, "
         "as llama.cpp's Q4_1 stores it)",
     )
