@@ -317,7 +317,7 @@ def tune_int4_tactics(
     scale); install and return the fastest per shape.
 
     The group size changes which tile wins: tactics chosen with groups of 128 cost an engine with
-    groups of 32 about 12 us a Llama-3.1-8B layer against that engine's own best tiles
+    groups of 32 about 14 us a Llama-3.1-8B layer against that engine's own best tiles
     (qkv 17.0 against 11.0 us; ``h200_quant_gemm_int4_g32_graphs_llama8b.json``).
     """
 

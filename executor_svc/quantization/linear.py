@@ -111,7 +111,7 @@ class Int4AWQLinear(_QuantLinear):
         Engines store them row by row, as they are computed. The decode GEMV reads one group of
         many output channels per step, which this layout makes a run of adjacent values instead
         of one value a row apart for each channel: on an H200 the best tile of each Llama-3.1-8B
-        projection ran 5-22% faster with groups of 32 and 1-3% faster with groups of 128
+        projection ran 5-22% faster with groups of 32 and 0-3% faster with groups of 128
         (``bench/quant_gemm_kernels.py``, which times both layouts). Every INT4 kernel takes the
         scales' strides, so this is done once, after the weights are loaded.
         """
