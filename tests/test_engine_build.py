@@ -126,6 +126,16 @@ def test_engines_built_on_the_fly_are_cached(model_dir, tmp_path):
     assert other != first
 
 
+def test_cached_engines_are_rebuilt_for_other_engine_code(model_dir, tmp_path, monkeypatch):
+    import executor_svc.builder as builder
+
+    build = BuildConfig(max_seq_len=256, tokens_per_block=16, dtype="float32")
+    key = builder.engine_cache_key(model_dir, build, "cpu", "auto")
+    assert builder.engine_code_fingerprint() == builder.engine_code_fingerprint.__wrapped__()  # stable in a process
+    monkeypatch.setattr(builder, "engine_code_fingerprint", lambda: "other code")
+    assert builder.engine_cache_key(model_dir, build, "cpu", "auto") != key
+
+
 def test_dummy_engine_has_no_weights_file_and_loads(model_dir, tmp_path):
     manifest = build_engine(model_dir, tmp_path / "dummy", BuildConfig(max_seq_len=256, dtype="float32"), device="cpu", load_format="dummy", progress=False)
     assert manifest.load_format == "dummy" and not (tmp_path / "dummy" / "rank0.safetensors").exists()
