@@ -39,7 +39,7 @@ from quant_common import AGREEMENT_PROMPTS, agreement, environment, greedy_gener
 from executor_svc.build_config import BuildConfig, QuantConfig  # noqa: E402
 from executor_svc.builder import build_engine  # noqa: E402
 from executor_svc.engine import RuntimeConfig, load_engine  # noqa: E402
-from executor_svc.engine_file import WEIGHTS_NAME  # noqa: E402
+from executor_svc.engine_file import WEIGHTS_NAME, read_manifest  # noqa: E402
 from executor_svc.quantization.corpus import encode_texts, held_out_texts  # noqa: E402
 from executor_svc.quantization.forward import PromptForward  # noqa: E402
 from executor_svc.quantization.perplexity import perplexity  # noqa: E402
@@ -79,6 +79,13 @@ MODES = {
     "W4A16_AWQ_GPTQ_FLOAT_ZEROS": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq", "zero_point": "float"},
     "W4A16_AWQ_FLOAT_ZEROS_G64": {"quant_algo": "W4A16_AWQ", "zero_point": "float", "group_size": 64},
     "W4A16_AWQ_FLOAT_ZEROS_G32": {"quant_algo": "W4A16_AWQ", "zero_point": "float", "group_size": 32},
+    # Decoder layers kept in high precision where calibration measures the largest loss
+    # (--keep-sensitive-layers; executor_svc/quantization/sensitivity.py).
+    "FP8_KEEP2": {"quant_algo": "FP8", "sensitive_layers": 2},
+    "FP8_GPTQ_KEEP2": {"quant_algo": "FP8", "weight_rounding": "gptq", "sensitive_layers": 2},
+    "W4A16_AWQ_FLOAT_ZEROS_KEEP2": {"quant_algo": "W4A16_AWQ", "zero_point": "float", "sensitive_layers": 2},
+    "W4A16_AWQ_GPTQ_FLOAT_ZEROS_KEEP4": {"quant_algo": "W4A16_AWQ", "weight_rounding": "gptq", "zero_point": "float",
+                                         "sensitive_layers": 4},
 }
 TARGETS = {
     "W8A16": 0.1, "FP8": 0.1, "FP8_STATIC": 0.1, "W8A8_SQ_PER_CHANNEL_PER_TOKEN": 0.5, "W4A16_AWQ": 0.5,
@@ -87,6 +94,7 @@ TARGETS = {
     "FP8_GPTQ_ONE_PASS": 0.1, "FP8_GPTQ+FP8_KV": 0.1, "W4A16_AWQ_G64": 0.5, "W4A16_AWQ_G32": 0.5,
     "W4A16_AWQ_GPTQ_G32": 0.5, "W4A16_RTN_FLOAT_ZEROS": 0.5, "W4A16_AWQ_FLOAT_ZEROS": 0.5,
     "W4A16_AWQ_GPTQ_FLOAT_ZEROS": 0.5, "W4A16_AWQ_FLOAT_ZEROS_G64": 0.5, "W4A16_AWQ_FLOAT_ZEROS_G32": 0.5,
+    "FP8_KEEP2": 0.1, "FP8_GPTQ_KEEP2": 0.1, "W4A16_AWQ_FLOAT_ZEROS_KEEP2": 0.5, "W4A16_AWQ_GPTQ_FLOAT_ZEROS_KEEP4": 0.5,
 }
 
 
@@ -170,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             "engine_weights_mib": row["engine_weights_mib"], "kv_cache_dtype": row["kv_cache_dtype"],
             "kv_cache_bytes_per_token": row["kv_cache_bytes_per_token"], "build_seconds": build_s,
         }
+        sensitivity = read_manifest(engine_dir).quantization.sensitivity
+        if sensitivity is not None:
+            results[label]["layer_sensitivity"] = {"kept": sensitivity.kept, "kl": sensitivity.kl,
+                                                   "num_tokens": sensitivity.num_tokens}
         log(f"{label}: perplexity {row['perplexity']:.3f} ({increase:+.3f}), "
             f"greedy prefix match {results[label]['greedy_agreement']['prefix_match_fraction']}")
     report = {

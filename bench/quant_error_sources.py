@@ -48,16 +48,13 @@ from executor_svc.quantization.forward import PromptForward  # noqa: E402
 from executor_svc.quantization.gptq import fp8_tensor_grid, gptq_round  # noqa: E402
 from executor_svc.quantization.perplexity import perplexity  # noqa: E402
 from executor_svc.quantization.quantize import (  # noqa: E402
-    FP8_MAX, INT4_MAX, dequantize_fp8, fake_quantize_int4, fp8_tensor_scale, quantize_fp8_per_tensor,
-    quantize_fp8_per_token_reference, round_fp8,
+    FP8_MAX, INT4_MAX, fake_quantize_int4, fp8_tensor_scale, round_fp8,
 )
+from executor_svc.quantization.sensitivity import round_fp8_tokens as fp8_activation_per_token  # noqa: E402
+from executor_svc.quantization.sensitivity import round_fp8_weight as fp8_weight_per_tensor  # noqa: E402
 from inflight.model_store import resolve_model  # noqa: E402
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
-
-
-def fp8_weight_per_tensor(w: torch.Tensor) -> torch.Tensor:
-    return dequantize_fp8(*quantize_fp8_per_tensor(w)).to(w.dtype)
 
 
 def fp8_weight_per_channel(w: torch.Tensor) -> torch.Tensor:
@@ -78,11 +75,6 @@ def int4_float_zero(group_size: int) -> Rounding:
         step = ((high - low) / INT4_MAX).clamp(min=1e-12)
         return (torch.round((groups - low) / step) * step + low).reshape(w.shape).to(w.dtype)
     return rounding
-
-
-def fp8_activation_per_token(x: torch.Tensor) -> torch.Tensor:
-    q, scales = quantize_fp8_per_token_reference(x)
-    return (q.float() * scales).to(x.dtype)
 
 
 class RoundedModel:

@@ -48,6 +48,9 @@ class QuantConfig:
     # fnmatch patterns of Linear module names kept in high precision ("layers.0.*",
     # "*.down_proj"); "first_layer" / "last_layer" name the first / last decoder layer.
     exclude_modules: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDE_MODULES))
+    # Decoder layers kept in high precision because calibration says so: the N whose quantization
+    # moves the model's next-token distributions most (quantization/sensitivity.py); 0 measures nothing.
+    sensitive_layers: int = 0
     calib_data: str = ""  # text file, one text per line; "" = the built-in stdlib docstring corpus
     calib_size: int = 64  # calibration texts
     calib_max_tokens: int = 512  # tokens kept per calibration text
@@ -123,6 +126,10 @@ class QuantConfig:
                 raise BuildConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.calib_max_tokens < 2:
             raise BuildConfigError(f"calib_max_tokens must be at least 2, got {self.calib_max_tokens}")
+        if self.sensitive_layers < 0:
+            raise BuildConfigError(f"sensitive_layers must be 0 or more, got {self.sensitive_layers}")
+        if self.sensitive_layers and not mode.quantizes_weights:
+            raise BuildConfigError("sensitive_layers keeps quantized layers in high precision; set a weight quant_algo")
         if not all(isinstance(p, str) and p for p in self.exclude_modules):
             raise BuildConfigError(f"exclude_modules must be non-empty name patterns, got {self.exclude_modules}")
 

@@ -11,7 +11,7 @@ import torch
 
 from executor_svc.build_config import PLUGIN_KINDS, QUANT_PLUGIN_KINDS, ZERO_POINTS, BuildConfig, QuantConfig
 from executor_svc.engine_file import EngineManifest, EngineMismatchError, is_engine_dir, read_manifest
-from executor_svc.quantization.records import KVCacheQuant
+from executor_svc.quantization.records import KVCacheQuant, LayerSensitivity
 
 QUANT_DEFAULTS = QuantConfig()
 
@@ -57,6 +57,12 @@ def add_quant_build_flags(p: argparse.ArgumentParser) -> None:
         help="comma-separated Linear names kept in high precision (fnmatch: 'layers.0.*', '*.down_proj'; "
         "'first_layer', 'last_layer')",
     )
+    g.add_argument(
+        "--keep-sensitive-layers", type=int, default=QUANT_DEFAULTS.sensitive_layers, metavar="N",
+        help="keep the N decoder layers whose quantization moves the model's next-token distributions most on "
+        "calibration texts in high precision (one forward pass per layer at build; inspect --layer-info shows each "
+        "layer's measure)",
+    )
     g.add_argument("--validate", action="store_true", help="perplexity before/after quantization, on held-out text")
     g.add_argument("--max-ppl-increase", type=float, default=gate.max_increase, help="fail the build past this rise")
     g.add_argument("--validate-size", type=int, default=gate.num_texts, help="held-out texts scored by --validate")
@@ -72,6 +78,7 @@ def quant_build_from_args(args: argparse.Namespace, build: BuildConfig) -> Build
         smoothquant_alpha=args.smoothquant_alpha, activation_scheme=args.activation_scheme,
         weight_rounding=args.weight_rounding, gptq_damp=args.gptq_damp, gptq_sequential=not args.gptq_one_pass,
         exclude_modules=[p.strip() for p in args.exclude_modules.split(",") if p.strip()],
+        sensitive_layers=args.keep_sensitive_layers,
     )
     return dataclasses.replace(build, quant_config=quant)
 
@@ -142,6 +149,8 @@ def format_summary(manifest: EngineManifest, engine_dir: Path) -> str:
     if record is not None and record.calibration is not None:
         c = record.calibration
         lines.append(f"calibration {c.num_texts} texts, {c.num_tokens} tokens of {c.corpus}, {c.seconds:.1f} s")
+    if record is not None and record.sensitivity is not None:
+        lines.append(_sensitivity_line(record.sensitivity))
     if record is not None and record.perplexity is not None:
         p = record.perplexity
         verdict = "passed" if p.passed else "FAILED"
@@ -171,10 +180,23 @@ def _quant_line(manifest: EngineManifest) -> str:
     if record is None or q.quant_algo == "none":
         return f"quant       {q.quant_algo} (kv cache: {q.kv_cache_quant_algo})"
     quantized = sum(1 for layer in record.layers if layer.algo != "none")
+    kept = list(q.exclude_modules)
+    if record.sensitivity is not None and record.sensitivity.kept:
+        kept.append("by sensitivity " + ", ".join(f"layers.{i}" for i in record.sensitivity.kept))
     return (
         f"quant       {q.quant_algo} [{'|'.join(record.quant_mode_flags)}]: {quantized} of {len(record.layers)} Linear "
         f"layers quantized ({q.weight_rounding} rounding), kept in {manifest.dtype}: "
-        f"{', '.join(q.exclude_modules) or 'none'} (kv cache: {q.kv_cache_quant_algo})"
+        f"{', '.join(kept) or 'none'} (kv cache: {q.kv_cache_quant_algo})"
+    )
+
+
+def _sensitivity_line(s: LayerSensitivity) -> str:
+    """The measured layer sensitivities: the most sensitive layers and the spread."""
+    ranked = sorted(range(len(s.kl)), key=lambda i: -s.kl[i])
+    top = ", ".join(f"{i}: {s.kl[i]:.2e}" for i in ranked[:5])
+    return (
+        f"sensitivity KL per token with one layer quantized, over {s.num_texts} texts, {s.num_tokens} tokens: "
+        f"most sensitive {top}; median {sorted(s.kl)[len(s.kl) // 2]:.2e}"
     )
 
 
@@ -228,6 +250,13 @@ def format_layer_info(manifest: EngineManifest) -> str:
             continue
         extra = f", {note}" if note else ""
         lines.append(f"  {layer:<40} [Plugin] {kind} ({choice.name}, {manifest.dtype}{extra}{fallback})")
+    sensitivity = manifest.quantization.sensitivity if manifest.quantization is not None else None
+    if sensitivity is not None:
+        lines += ["", f"layer sensitivity ({sensitivity.metric}; {sensitivity.num_texts} texts, "
+                      f"{sensitivity.num_tokens} tokens)"]
+        for index, kl in enumerate(sensitivity.kl):
+            kept = f"  kept in {manifest.dtype} (rank {sensitivity.kept.index(index) + 1})" if index in sensitivity.kept else ""
+            lines.append(f"  layers.{index:<33} {kl:.3e}{kept}")
     lines += ["", f"kernel selection on {manifest.device.describe()} (median of 7 timed calls)"]
     for kind, choice in manifest.plugins.items():
         timings = ", ".join(f"{name} {us:.1f} us" for name, us in sorted(choice.timings_us.items(), key=lambda kv: kv[1]))

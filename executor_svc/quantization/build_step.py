@@ -2,7 +2,9 @@
 
 Runs on the loaded unquantized model (in the engine's dtype), in place:
 
-1. plan: which Linear gets what (exclude_modules keeps some in high precision);
+1. plan: which Linear gets what (exclude_modules keeps some in high precision, and
+   sensitive_layers the decoder layers that calibration texts show lose most;
+   ``sensitivity.py``);
 2. with ``--validate``: the unquantized model's perplexity on held-out texts;
 3. calibrate (AWQ, SmoothQuant, static FP8, GPTQ, and an FP8 / INT8 KV cache): run
    the model over calibration texts and record each planned layer's input
@@ -28,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from executor_svc.build_config import BuildConfig
+from executor_svc.build_config import BuildConfig, BuildConfigError
 from executor_svc.model.config import ModelConfig
 from executor_svc.model.weights import init_dummy_weights
 from executor_svc.quantization.calibration import calibrate
@@ -42,6 +44,7 @@ from executor_svc.quantization.perplexity import AccuracyGateError, PerplexityGa
 from executor_svc.quantization.quant_mode import QuantMode
 from executor_svc.quantization.quantizer import quantize_model, quantized_kernels
 from executor_svc.quantization.records import CalibrationReport, PerplexityReport, QuantizationRecord
+from executor_svc.quantization.sensitivity import SENSITIVITY_TEXTS, keep_sensitive_layers
 from executor_svc.quantization.sequential import quantize_sequentially
 
 log = logging.getLogger("inflight.build")
@@ -75,10 +78,20 @@ def quantize_for_build(
         if mode.has_kv_cache_quant:
             _calibrate_random_kv_cache(model, record, model_config, build, max_seq_len, device, dtype, progress)
         return record
-    kernels = quantized_kernels(record.layers, plugin_names, device, dtype)
-    planned = {layer.name: model.get_submodule(layer.name) for layer in record.layers if layer.algo != "none"}
     max_tokens = min(max_seq_len, max(config.calib_max_tokens, validation.max_tokens if validation else 0))
     runner = PromptForward.create(model, model_config, max_tokens, build.tokens_per_block, device, dtype)
+    if config.sensitive_layers:  # before anything is planned from the layer records
+        if config.sensitive_layers > model_config.num_layers:
+            raise BuildConfigError(
+                f"sensitive_layers {config.sensitive_layers} is more than the model's {model_config.num_layers} layers"
+            )
+        texts, _ = calibration_texts(config.calib_data, min(config.calib_size, SENSITIVITY_TEXTS))
+        token_lists = encode_texts(checkpoint, texts, min(config.calib_max_tokens, max_seq_len))
+        record.sensitivity = keep_sensitive_layers(
+            runner, model, record.layers, config, model_config.num_layers, token_lists, dtype_name, progress
+        )
+    kernels = quantized_kernels(record.layers, plugin_names, device, dtype)
+    planned = {layer.name: model.get_submodule(layer.name) for layer in record.layers if layer.algo != "none"}
 
     held_out, baseline, num_tokens = [], 0.0, 0
     if validation is not None:  # scored before anything is quantized (GPTQ's sequential order quantizes as it goes)

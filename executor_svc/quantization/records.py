@@ -78,6 +78,18 @@ class KVCacheQuant:
 
 
 @dataclass(slots=True)
+class LayerSensitivity:
+    """Each decoder layer's sensitivity to the build's format, and the layers kept in high precision for it
+    (``QuantConfig.sensitive_layers``; ``sensitivity.py``)."""
+
+    metric: str  # what ``kl`` measures
+    num_texts: int
+    num_tokens: int  # tokens the KL averages over
+    kl: list[float] = field(default_factory=list)  # per decoder layer, nats per token
+    kept: list[int] = field(default_factory=list)  # decoder layers kept in high precision, most sensitive first
+
+
+@dataclass(slots=True)
 class QuantizationRecord:
     quant_algo: str
     kv_cache_quant_algo: str
@@ -87,6 +99,7 @@ class QuantizationRecord:
     calibration: CalibrationReport | None = None
     perplexity: PerplexityReport | None = None
     kv_cache: KVCacheQuant | None = None  # None: a 16-bit KV cache
+    sensitivity: LayerSensitivity | None = None  # None: no layer kept in high precision by measurement
 
     def layer(self, name: str) -> LayerQuant | None:
         return next((layer for layer in self.layers if layer.name == name), None)
@@ -105,6 +118,8 @@ class QuantizationRecord:
             data["calibration"] = CalibrationReport(**data["calibration"])
         if data.get("kv_cache") is not None:
             data["kv_cache"] = KVCacheQuant(**data["kv_cache"])
+        if data.get("sensitivity") is not None:
+            data["sensitivity"] = LayerSensitivity(**data["sensitivity"])
         if data.get("perplexity") is not None:
             report = {k: v for k, v in data["perplexity"].items() if k not in ("increase", "passed")}
             data["perplexity"] = PerplexityReport(**report)
