@@ -229,6 +229,7 @@ def test_cli_gate_fails_the_build_and_writes_nothing(model_dir, tmp_path, capsys
     err = capsys.readouterr().err
     assert status == 1 and "accuracy gate failed" in err and "W4A16_AWQ raises perplexity" in err
     assert "round with GPTQ (--weight-rounding gptq)" in err  # what to try first, since this build rounded to nearest
+    assert "(--keep-sensitive-layers N)" in err
     assert not out.exists()
 
 

@@ -187,6 +187,7 @@ def _check_gate(report: PerplexityReport, what: str, suggest_gptq: bool) -> None
         raise AccuracyGateError(
             f"{what} raises perplexity from {report.baseline:.3f} to {report.quantized:.3f} "
             f"(+{report.increase:.3f}) on {report.num_texts} held-out texts, more than the allowed "
-            f"{report.max_increase}; {gptq}keep more layers in high precision (--exclude-modules), calibrate on "
+            f"{report.max_increase}; {gptq}keep the layers calibration finds most sensitive in high precision "
+            "(--keep-sensitive-layers N) or name them (--exclude-modules), calibrate on "
             "more or closer text (--calib-data, --calib-size), choose a gentler algorithm, or raise --max-ppl-increase"
         )
