@@ -3,8 +3,8 @@
 ``QuantConfig.sensitive_layers = N`` (``inflight build --keep-sensitive-layers N``)
 measures, on calibration texts, how much each decoder layer's quantization moves
 the model's next-token distributions, and keeps the N layers that move them most
-in the engine's dtype (as TensorRT Model Optimizer's auto-quantize search and
-llama.cpp's importance-driven mixes do, in a simpler form: one layer at a time).
+in the engine's dtype (what TensorRT Model Optimizer's auto-quantize search does,
+in a simpler form: whole decoder layers, one at a time, a fixed count).
 
 A layer's sensitivity is the mean KL divergence, in nats per predicted token,
 from the unquantized model's distribution to the one of the model whose only
@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from executor_svc.build_config import QuantConfig
 from executor_svc.quantization.forward import PromptForward
+from executor_svc.quantization.perplexity import LOGIT_ROWS
 from executor_svc.quantization.quantize import (
     dequantize_fp8, dequantize_int8_per_channel, fake_quantize_int4, quantize_fp8_per_tensor,
     quantize_fp8_per_token_reference, quantize_int8_per_channel, quantize_int8_per_token,
@@ -39,7 +40,6 @@ from executor_svc.quantization.records import LayerQuant, LayerSensitivity
 log = logging.getLogger("inflight.build")
 
 SENSITIVITY_TEXTS = 8  # calibration texts scored per layer: ranking layers needs far fewer than calibrating them
-LOGIT_ROWS = 512  # rows of float32 logits alive at once
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]
 
@@ -160,5 +160,5 @@ def keep_sensitive_layers(
     return LayerSensitivity(
         metric=f"mean KL divergence of next-token distributions from the unquantized model's, nats per token, "
         f"with one decoder layer's Linears rounded to nearest in {config.quant_algo}",
-        num_texts=len(token_lists), num_tokens=num_tokens, kl=[round(v, 6) for v in kl], kept=kept,
+        num_texts=len(token_lists), num_tokens=num_tokens, kl=[float(f"{v:.4g}") for v in kl], kept=kept,
     )
