@@ -44,7 +44,7 @@ def test_rounded_swaps_weights_and_inputs_inside_the_block_and_restores_them():
 
 @pytest.fixture(scope="module")
 def fp8_sensitivity(engine, model_dir):
-    """The session's unquantized engine with an FP8 plan, two short calibration texts, and every layer's measure."""
+    """The suite's shared unquantized engine with an FP8 plan, two short calibration texts, and every layer's measure."""
     quant = QuantConfig("FP8")
     model, config = engine.model, engine.model_config
     runner = PromptForward.create(model, config, 64, 16, engine.device, engine.dtype)
