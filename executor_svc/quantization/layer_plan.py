@@ -43,6 +43,11 @@ def matching_pattern(name: str, patterns: list[str]) -> str | None:
     return None
 
 
+def high_precision_layer(name: str, in_features: int, out_features: int, dtype_name: str, note: str = "") -> LayerQuant:
+    """The record of a Linear kept in the engine's dtype; ``note`` says why."""
+    return LayerQuant(name, "none", in_features, out_features, "gemm", dtype_name, dtype_name, note=note)
+
+
 def plan_layers(model: nn.Module, config: QuantConfig, num_layers: int, dtype_name: str) -> list[LayerQuant]:
     """A record per Linear: the algorithm it will get, or why it stays in high precision."""
     patterns = expand_patterns(config.exclude_modules, num_layers)
@@ -57,7 +62,7 @@ def plan_layers(model: nn.Module, config: QuantConfig, num_layers: int, dtype_na
         excluded_by = matching_pattern(name, patterns)
         if not mode.quantizes_weights or excluded_by is not None:
             note = f"excluded by {excluded_by!r}" if excluded_by is not None else ""
-            plan.append(LayerQuant(name, "none", in_features, out_features, "gemm", dtype_name, dtype_name, note=note))
+            plan.append(high_precision_layer(name, in_features, out_features, dtype_name, note))
             continue
         kind, weight, activation = ALGO_FORMATS[config.quant_algo]
         static = QuantMode.FP8_WEIGHTS in mode and config.activation_scheme == "static"

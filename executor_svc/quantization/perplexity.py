@@ -10,10 +10,12 @@ build when the increase passes ``max_increase``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from executor_svc.quantization.forward import PromptForward
@@ -34,6 +36,13 @@ class PerplexityGate:
     max_tokens: int = 512  # tokens per text
 
 
+def logit_chunks(model: nn.Module, hidden: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, float32 logits [rows, vocab]) of final hidden states [positions, hidden], ``LOGIT_ROWS``
+    rows at a time."""
+    for start in range(0, hidden.shape[0], LOGIT_ROWS):
+        yield start, model.compute_logits(hidden[start : start + LOGIT_ROWS])
+
+
 @torch.inference_mode()
 def perplexity(
     runner: PromptForward, token_lists: list[list[int]], desc: str = "perplexity", progress: bool = True
@@ -43,8 +52,7 @@ def perplexity(
     for ids in tqdm(token_lists, desc=desc, unit="text", disable=not progress, leave=False):
         hidden = runner.hidden_states(ids)[:-1]  # position i predicts token i + 1
         targets = torch.tensor(ids[1:], device=hidden.device)
-        for start in range(0, hidden.shape[0], LOGIT_ROWS):
-            logits = runner.model.compute_logits(hidden[start : start + LOGIT_ROWS])  # float32
+        for start, logits in logit_chunks(runner.model, hidden):
             total_nll += float(F.cross_entropy(logits, targets[start : start + LOGIT_ROWS], reduction="sum"))
         total_tokens += len(ids) - 1
     if total_tokens == 0:

@@ -30,11 +30,12 @@ from tqdm import tqdm
 
 from executor_svc.build_config import QuantConfig
 from executor_svc.quantization.forward import PromptForward
-from executor_svc.quantization.perplexity import LOGIT_ROWS
+from executor_svc.quantization.perplexity import logit_chunks
 from executor_svc.quantization.quantize import (
     dequantize_fp8, dequantize_int8_per_channel, fake_quantize_int4, quantize_fp8_per_tensor,
     quantize_fp8_per_token_reference, quantize_int8_per_channel, quantize_int8_per_token,
 )
+from executor_svc.quantization.layer_plan import high_precision_layer
 from executor_svc.quantization.records import LayerQuant, LayerSensitivity
 
 log = logging.getLogger("inflight.build")
@@ -97,14 +98,17 @@ def rounded(modules: list[nn.Module], weight: Rounding, inputs: Rounding | None)
             hook.remove()
 
 
+def _planned_in_layer(plan: list[LayerQuant], index: int) -> list[int]:
+    """Positions in ``plan`` of decoder layer ``index``'s Linears that are planned to be quantized."""
+    prefix = f"layers.{index}."
+    return [i for i, layer in enumerate(plan) if layer.algo != "none" and layer.name.startswith(prefix)]
+
+
 @torch.inference_mode()
 def _log_probs(runner: PromptForward, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] float32 next-token log-probabilities of ``runner.model``."""
     hidden = runner.hidden_states(ids)
-    return torch.cat([
-        F.log_softmax(runner.model.compute_logits(hidden[start : start + LOGIT_ROWS]), dim=-1)
-        for start in range(0, hidden.shape[0], LOGIT_ROWS)
-    ])
+    return torch.cat([F.log_softmax(logits, dim=-1) for _, logits in logit_chunks(runner.model, hidden)])
 
 
 @torch.inference_mode()
@@ -127,8 +131,7 @@ def layer_sensitivity(
     references = [_log_probs(runner, ids) for ids in token_lists]
     kl = []
     for index in tqdm(range(num_layers), desc="layer sensitivity", unit="layer", disable=not progress, leave=False):
-        prefix = f"layers.{index}."
-        modules = [model.get_submodule(layer.name) for layer in plan if layer.algo != "none" and layer.name.startswith(prefix)]
+        modules = [model.get_submodule(plan[i].name) for i in _planned_in_layer(plan, index)]
         if not modules:  # nothing of this layer is quantized: quantizing it changes nothing
             kl.append(0.0)
             continue
@@ -147,13 +150,12 @@ def keep_sensitive_layers(
     ranked = sorted(range(num_layers), key=lambda i: -kl[i])
     kept = [i for i in ranked[: config.sensitive_layers] if kl[i] > 0.0]
     for rank, index in enumerate(kept, start=1):
-        prefix = f"layers.{index}."
-        for position, layer in enumerate(plan):
-            if layer.algo != "none" and layer.name.startswith(prefix):
-                plan[position] = LayerQuant(
-                    layer.name, "none", layer.in_features, layer.out_features, "gemm", dtype_name, dtype_name,
-                    note=f"kept by sensitivity: rank {rank} of {num_layers} layers, KL {kl[index]:.2e}",
-                )
+        for position in _planned_in_layer(plan, index):
+            layer = plan[position]
+            plan[position] = high_precision_layer(
+                layer.name, layer.in_features, layer.out_features, dtype_name,
+                f"kept by sensitivity: rank {rank} of {num_layers} layers, KL {kl[index]:.2e}",
+            )
     num_tokens = sum(len(ids) for ids in token_lists)
     log.info("layer sensitivity (%s, KL nats/token): kept layers %s; most sensitive %s", config.quant_algo, kept,
              ", ".join(f"{i}: {kl[i]:.2e}" for i in ranked[:5]))
