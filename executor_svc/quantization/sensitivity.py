@@ -30,12 +30,12 @@ from tqdm import tqdm
 
 from executor_svc.build_config import QuantConfig
 from executor_svc.quantization.forward import PromptForward
+from executor_svc.quantization.layer_plan import high_precision_layer
 from executor_svc.quantization.perplexity import logit_chunks
 from executor_svc.quantization.quantize import (
     dequantize_fp8, dequantize_int8_per_channel, fake_quantize_int4, quantize_fp8_per_tensor,
     quantize_fp8_per_token_reference, quantize_int8_per_channel, quantize_int8_per_token,
 )
-from executor_svc.quantization.layer_plan import high_precision_layer
 from executor_svc.quantization.records import LayerQuant, LayerSensitivity
 
 log = logging.getLogger("inflight.build")
