@@ -8,7 +8,14 @@ CUDA-graph replays, on random weights of a shape (acceptance plays no part):
 * ``forward_{rows}_rows_ms``: one generation forward of one request's ``rows``
   single-token rows, as a verification step runs it;
 * ``round_k{k}_ms``: one of eight chained rounds verifying k drafts with a
-  recurrent head drafting between them (``RoundsRunner``).
+  recurrent head drafting between them (``RoundsRunner``), the head's chain
+  running as Triton kernels (executor_svc/speculative/heads_triton.py);
+  ``round_k{k}_torch_head_ms`` the same with the chain in torch's kernels;
+* ``chain_k{k}_ms`` / ``chain_k{k}_torch_ms``: the head's chain of k drafts
+  for one request alone (its CUDA graph), each way; ``chain_drafts_agree`` the
+  share of drafts the two chains agree on over 64 random states (the Triton
+  chain rounds where torch's kernels do, so only float32 sums that land on
+  the other side of a 16-bit rounding can differ).
 
 ``--gemv-rows N`` is an experiment: route up to N rows through the 16-bit
 GEMV with its one-row tile, whatever the build timed (0: the engine's own
@@ -90,9 +97,26 @@ def run(args: argparse.Namespace) -> dict:
             diffs.append(float((got.float() - ref).abs().max() / ref.abs().max()))
     out["max_rel_diff"] = max(diffs)
     head = RecurrentDraftHead(4, config.hidden_size, config.vocab_size).to(device, eng.dtype)
-    chain = HeadsChain(head, eng.model, 128, device, eng.dtype)
-    runner = RoundsRunner(eng.model, eng.kv_cache, eng.decode_graphs, eng.tokens_per_block, (1, 1), chain)
-    runner.warm_up(range(1, 5))
+    with torch.no_grad():  # a head whose state moves (an untrained one's W_out is zero), as a trained one's does
+        head.w_out.normal_(0.0, 0.02, generator=gen)
+        head.b_in.normal_(0.0, 0.02, generator=gen)
+    torch_head = RecurrentDraftHead(4, config.hidden_size, config.vocab_size).to(device, eng.dtype)
+    torch_head.load_state_dict(head.state_dict())
+    torch_head.fused = False
+    runners, chains = {}, {}
+    for name, h in (("", head), ("_torch_head", torch_head)):
+        chains[name] = HeadsChain(h, eng.model, 128, device, eng.dtype)
+        runners[name] = RoundsRunner(eng.model, eng.kv_cache, eng.decode_graphs, eng.tokens_per_block, (1, 1),
+                                     chains[name])
+        runners[name].warm_up(range(1, 5))
+    with torch.inference_mode():
+        agree = []
+        for _ in range(8):
+            states = torch.randn(8, config.hidden_size, generator=gen, device=device, dtype=eng.dtype)
+            tokens = torch.randint(0, config.vocab_size, (8,), generator=gen, device=device)
+            agree.append((head.propose(states, eng.model, 4, tokens) == torch_head.propose(states, eng.model, 4, tokens))
+                         .float().mean().item())
+    out["chain_drafts_agree"] = sum(agree) / len(agree)
     table = list(range(40))  # 640 slots: the 300-token context and eight rounds of up to five rows
     history = list(range(100, 400))
 
@@ -112,8 +136,13 @@ def run(args: argparse.Namespace) -> dict:
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 8):
             out[f"forward_{rows}_rows_ms"] = round(gpu_ms(lambda: forward(rows), 30), 4)
-        for k in (1, 2, 3, 4):
-            out[f"round_k{k}_ms"] = round(gpu_ms(lambda: runner.run([request()], k, 8, k), 10) / 8, 4)
+        hidden_rows = torch.randn(1, config.hidden_size, generator=gen, device=device, dtype=eng.dtype)
+        for name, runner in runners.items():
+            for k in (1, 2, 3, 4):
+                out[f"round_k{k}{name}_ms"] = round(gpu_ms(lambda: runner.run([request()], k, 8, k), 10) / 8, 4)
+        for name, chain in (("", chains[""]), ("_torch", chains["_torch_head"])):
+            for k in (1, 2, 3, 4):
+                out[f"chain_k{k}{name}_ms"] = round(gpu_ms(lambda: chain.draft(hidden_rows, 1, k), 50), 4)
     log(", ".join(f"{key} {value}" for key, value in out.items() if key.endswith("_ms")))
     return out
 

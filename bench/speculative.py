@@ -103,9 +103,10 @@ CHAT = [
 # decoding: ``ngram:k15:min1`` is prompt lookup with up to 15 drafts from suffixes of 1 to --ngram-max tokens.
 # ``stop0`` runs every chained round even after every request has finished (what ending them early saves).
 # ``draft_heads:lookup3:k8``: draft heads, with prompt lookup's drafts (up to 8) wherever the request's last 3+
-# tokens occurred earlier in its own tokens (``--heads-lookup``).
+# tokens occurred earlier in its own tokens (``--heads-lookup``). ``fused0``: a recurrent head's chain in torch's
+# kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
-                  "stop": "end_rounds_early", "lookup": "heads_lookup"}
+                  "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -240,7 +241,11 @@ def run_generate(args) -> dict:
     graphs_with_masks: dict = {}
 
     async def measure(mode: str) -> dict:
+        from executor_svc.speculative.draft_heads import RecurrentDraftHead
+
         spec = _mode_config(mode, args)
+        # Set on the class before the executor loads its heads and captures their chains' graphs.
+        RecurrentDraftHead.fused = bool(getattr(_mode_settings(mode, args)[1], "fused_head_kernels", 1))
         engine = dataclasses.replace(base, speculative=spec)
         if spec.draft_tree is not None and base.decode_graphs is not None:
             # Tree rows need graphs whose attention reads tree masks; the other modes keep the plain ones.
@@ -335,6 +340,7 @@ def run_generate(args) -> dict:
                 log(f"{mode}: batch {batch} {run['output_tokens_per_s']:.0f} tok/s")
         finally:
             await async_engine.stop()
+            RecurrentDraftHead.fused = True
             release_garbage_collector()  # pairs with the settle above, as the LLM API's shutdown does
         return out
 

@@ -251,6 +251,70 @@ def test_saved_recurrent_head_loads_back_with_identical_drafts(engine, recurrent
         load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)
 
 
+def _torch_chain(head: RecurrentDraftHead, hidden, model, num_tokens: int, first) -> torch.Tensor:
+    """``head.propose`` through torch's kernels (never the Triton chain), the oracle of ``heads_triton``."""
+    head.fused = False
+    try:
+        return head.propose(hidden, model, num_tokens, first)
+    finally:
+        head.fused = True
+
+
+def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_trained, held_out_hidden, monkeypatch):
+    """The four-kernel chain (interpreted on a CPU) against torch's, on the real target and a trained head."""
+    from executor_svc.speculative import heads_triton
+
+    if engine.device.type == "cpu":  # the interpreter runs one program at a time: fewer, wider blocks
+        monkeypatch.setattr(heads_triton, "BLOCK_VOCAB", 2048)
+        monkeypatch.setattr(heads_triton, "BLOCK_HIDDEN", 256)
+    head, _ = recurrent_trained
+    model = engine.model
+    hidden = held_out_hidden[2][5:7]  # two rows
+    with torch.inference_mode():
+        first = model.compute_logits(hidden).argmax(-1)
+        parts = (model.embed_tokens.weight, head.w_in, head.b_in, head.w_out, head.b_out, model.lm_head.weight)
+        assert heads_triton.fits(hidden, list(parts))
+        got = heads_triton.recurrent_drafts(hidden, first, *parts, 3)  # one row is the odd-shapes test's
+        assert torch.equal(got, _torch_chain(head, hidden, model, 3, first))
+    assert not heads_triton.fits(hidden[:1].expand(heads_triton.MAX_ROWS + 1, -1).contiguous(), list(parts))
+    assert not heads_triton.fits(hidden.half(), list(parts))
+
+
+def test_triton_chain_on_odd_shapes_and_ties():
+    """Sizes that fill no block exactly, and logits tied exactly (the lowest token id wins, as torch.argmax)."""
+    from executor_svc.speculative import heads_triton
+
+    gen = torch.Generator().manual_seed(3)
+    dim, inner, vocab = 40, 76, 101
+    head = RecurrentDraftHead(4, dim, vocab, intermediate_size=inner)
+    with torch.no_grad():
+        for p in (head.w_in, head.b_in, head.w_out, head.b_out):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    embed = torch.randn(vocab, dim, generator=gen)
+    lm = torch.randn(vocab, dim, generator=gen)
+    lm[70:] = lm[30:61]  # ids 70..100 repeat 30..60: every one of those logits ties with a lower id
+    hidden = torch.randn(5, dim, generator=gen)
+    first = torch.randint(0, vocab, (5,), generator=gen)
+
+    def reference(num_tokens: int) -> torch.Tensor:  # the chain written out in torch, float32
+        state, token, out = hidden, first, []
+        for _ in range(num_tokens):
+            state = head.step(state, embed[token])
+            token = (state @ lm.t()).argmax(-1)
+            out.append(token)
+        return torch.stack(out, dim=1)
+
+    with torch.inference_mode():
+        expected = reference(4)
+        device = torch.device(TEST_DEVICE)  # a GPU's kernels, or the CPU's interpreter
+        parts = [t.detach().to(device) for t in (embed, head.w_in, head.b_in, head.w_out, head.b_out, lm)]
+        got = heads_triton.recurrent_drafts(hidden.to(device), first.to(device), *parts, 4).cpu()
+        assert torch.equal(got, expected)
+        assert (got < 70).all()  # a tied maximum never goes to the repeated (higher) id
+        one = heads_triton.recurrent_drafts(hidden[:1].to(device), first[:1].to(device), *parts, 1).cpu()
+        assert torch.equal(one, expected[:1, :1])
+
+
 def _greedy_chain_walk(drafts: list[list[int]], text: list[int], first_row: int, max_tokens: int) -> int:
     """Drafts a greedy chain would accept over ``text`` (prompt + output) when each step verifies the heads'
     drafts from the row that chose its newest token (``drafts[t]``: the heads' drafts from row t)."""

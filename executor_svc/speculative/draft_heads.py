@@ -108,6 +108,9 @@ class RecurrentDraftHead(nn.Module):
     """One block that steps the target's hidden state forward a token at a time (EAGLE-style, no attention)."""
 
     kind = "recurrent"
+    # Greedy chains of a few rows on a GPU run as four Triton kernels a draft (heads_triton); False, on a head or
+    # on the class, keeps torch's kernels (the benchmarks' comparison, the tests' oracle).
+    fused = True
 
     def __init__(self, max_drafts: int, hidden_size: int, vocab_size: int, intermediate_size: int = 0) -> None:
         super().__init__()
@@ -154,18 +157,41 @@ class RecurrentDraftHead(nn.Module):
         self, hidden: torch.Tensor, model: nn.Module, num_tokens: int, next_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Greedy chain of ``num_tokens`` drafts: hidden [N, H] (the row that chose ``next_tokens`` [N]) ->
-        [N, num_tokens] int64. No host sync: it can be captured in a CUDA graph."""
+        [N, num_tokens] int64. No host sync: it can be captured in a CUDA graph. A few rows on a GPU run the
+        chain's Triton kernels (``heads_triton``), which draft what this torch loop drafts."""
         if not 1 <= num_tokens <= self.num_heads:
             raise ValueError(f"num_tokens must be in [1, {self.num_heads}], got {num_tokens}")
         if next_tokens is None:
             raise ValueError("a recurrent draft head needs the token each hidden state chose (next_tokens)")
         state, token = hidden.to(self.w_in.dtype), next_tokens
+        fused = self._fused_parts(state, model)
+        if fused is not None:
+            from executor_svc.speculative.heads_triton import recurrent_drafts
+
+            return recurrent_drafts(state, token, *fused, num_tokens)
         drafts = []
         for _ in range(num_tokens):
             state = self.step(state, model.embed_tokens(token))
             token = model.compute_logits(state.to(hidden.dtype)).argmax(dim=-1)
             drafts.append(token)
         return torch.stack(drafts, dim=1)
+
+    def _fused_parts(self, hidden: torch.Tensor, model: nn.Module) -> list[torch.Tensor] | None:
+        """For a chain from ``hidden`` (in the head's dtype), the tensors ``heads_triton.recurrent_drafts`` reads (the embedding, the head's four, the LM head's
+        weight) where its kernels give this chain's drafts: on a GPU, ``fused`` set, a target whose logits are
+        its plain 16-bit LM head's (no quantized head, no soft cap) and few rows. None otherwise."""
+        from executor_svc.model.llama import Linear
+
+        lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+        if (
+            not self.fused or not hidden.is_cuda or type(lm_head) is not Linear or not isinstance(embed, nn.Embedding)
+            or getattr(model.config, "final_logit_softcapping", None) is not None
+        ):
+            return None
+        from executor_svc.speculative import heads_triton
+
+        parts = [embed.weight, self.w_in, self.b_in, self.w_out, self.b_out, lm_head.weight]
+        return parts if heads_triton.fits(hidden, parts) else None
 
     @torch.inference_mode()
     def propose_tree(

@@ -1,0 +1,185 @@
+"""A recurrent draft head's greedy chain as four Triton kernels a draft.
+
+Each draft of ``RecurrentDraftHead.propose`` is, in torch, some ten kernels:
+the token's embedding, a concatenation, two linears with their biases, the
+SiLU, the residual add, the LM head's GEMV, its float32 copy and an argmax
+over the vocabulary. At batch 1 on a fast GPU each is a few microseconds of
+launch and tail for almost no work, and four drafts of SmolLM2-135M cost more
+than a fifth of a verification round. Here a draft is:
+
+* ``_head_in_kernel``: ``SiLU(W_in [s; E[x]] + b_in)``, reading the state and
+  the token's embedding row directly (no concatenated copy);
+* ``_head_out_kernel``: ``s + W_out u + b_out``, the next state;
+* ``_lm_head_argmax_kernel``: the LM head's GEMV over a block of the
+  vocabulary and that block's best token, so the logits are never written;
+* ``_argmax_reduce_kernel``: the best of the blocks' best, written as the
+  draft that the next draft's first kernel reads.
+
+Every value is rounded where torch's kernels round it (each linear's output,
+the SiLU, the residual sum, the 16-bit logits before the argmax), and ties go
+to the lowest token id as ``torch.argmax``'s do, so the drafts are the torch
+chain's up to the order of float32 sums. Rows are a grid axis, each program
+one row: the weights of the rows' programs for one tile are read from L2, which
+is why only a few rows take this path (``MAX_ROWS``); past that the torch
+chain's batched GEMMs win.
+
+Checked against the torch chain on the CPU through Triton's interpreter
+(tests/test_draft_heads.py) and on the GPU; timed in bench/round_cost.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8  # the most requests whose chain runs these kernels (each program one row)
+BLOCK_HIDDEN = 8  # outputs per program of the head's two linears (small layers: many programs)
+BLOCK_VOCAB = 32  # vocabulary rows per program of the LM head
+BLOCK_K = 128  # the reduction dimension's step (16-byte loads of 16-bit weights)
+
+
+# Step-dependent integers are not specialised on: one compilation serves every draft of every chain length.
+@triton.jit(do_not_specialize=["stride_tokens", "token_column"])
+def _head_in_kernel(
+    state_ptr, tokens_ptr, embed_ptr, w_in_ptr, b_in_ptr, out_ptr,
+    stride_state, stride_tokens, token_column, stride_embed, stride_w_in, H, INNER,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INNER
+    token = tl.load(tokens_ptr + row * stride_tokens + token_column)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        mask = n_ok[:, None] & k_ok[None, :]
+        s = tl.load(state_ptr + row * stride_state + k, mask=k_ok, other=0.0).to(tl.float32)
+        e = tl.load(embed_ptr + token * stride_embed + k, mask=k_ok, other=0.0).to(tl.float32)
+        w_s = tl.load(w_in_ptr + n[:, None] * stride_w_in + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        w_e = tl.load(w_in_ptr + n[:, None] * stride_w_in + H + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += w_s * s[None, :] + w_e * e[None, :]
+    bias = tl.load(b_in_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    y = (tl.sum(acc, axis=1) + bias).to(dtype).to(tl.float32)  # the linear's output, rounded as torch's
+    tl.store(out_ptr + row * INNER + n, (y * tl.sigmoid(y)).to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _head_out_kernel(
+    inner_ptr, state_in_ptr, w_out_ptr, b_out_ptr, state_out_ptr,
+    stride_state_in, stride_w_out, H, INNER,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, INNER, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < INNER
+        u = tl.load(inner_ptr + row * INNER + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_out_ptr + n[:, None] * stride_w_out + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * u[None, :]
+    bias = tl.load(b_out_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    dtype = state_out_ptr.dtype.element_ty
+    update = (tl.sum(acc, axis=1) + bias).to(dtype).to(tl.float32)
+    state = tl.load(state_in_ptr + row * stride_state_in + n, mask=n_ok, other=0.0).to(tl.float32)
+    # Only this program reads its outputs' old state, so the state may be updated in place.
+    tl.store(state_out_ptr + row * H + n, (state + update).to(dtype), mask=n_ok)
+
+
+@triton.jit
+def _lm_head_argmax_kernel(
+    state_ptr, weight_ptr, best_value_ptr, best_index_ptr,
+    stride_weight, H, VOCAB, NUM_BLOCKS,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)  # rows vary fastest: one weight tile's programs run together and share it in L2
+    block = tl.program_id(1)
+    v = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    v_ok = v < VOCAB
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        s = tl.load(state_ptr + row * H + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(weight_ptr + v[:, None] * stride_weight + k[None, :], mask=v_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * s[None, :]
+    # The 16-bit logits the LM head's GEMM writes, so near-ties resolve as in the torch chain.
+    logits = tl.sum(acc, axis=1).to(weight_ptr.dtype.element_ty).to(tl.float32)
+    logits = tl.where(v_ok, logits, float("-inf"))
+    best = tl.max(logits, axis=0)
+    index = tl.min(tl.where(logits == best, v, VOCAB), axis=0)  # the lowest id among equals, as torch.argmax
+    tl.store(best_value_ptr + row * NUM_BLOCKS + block, best)
+    tl.store(best_index_ptr + row * NUM_BLOCKS + block, index)
+
+
+@triton.jit(do_not_specialize=["stride_drafts", "column"])
+def _argmax_reduce_kernel(
+    best_value_ptr, best_index_ptr, drafts_ptr, stride_drafts, column, NUM_BLOCKS, VOCAB,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = tl.arange(0, BLOCK)
+    ok = b < NUM_BLOCKS
+    values = tl.load(best_value_ptr + row * NUM_BLOCKS + b, mask=ok, other=float("-inf"))
+    indices = tl.load(best_index_ptr + row * NUM_BLOCKS + b, mask=ok, other=VOCAB)
+    best = tl.max(values, axis=0)
+    token = tl.min(tl.where(values == best, indices, VOCAB), axis=0)
+    tl.store(drafts_ptr + row * stride_drafts + column, token.to(tl.int64))
+
+
+def fits(hidden: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether these kernels can run a chain from ``hidden`` with ``tensors`` (the head's, the embedding, the
+    LM head): few rows, one 16-bit or float32 dtype for all of them, and rows laid out contiguously."""
+    dtype = hidden.dtype
+    return (
+        hidden.dim() == 2 and 1 <= hidden.shape[0] <= MAX_ROWS
+        and dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and all(t.dtype == dtype and t.device == hidden.device and t.stride(-1) == 1 for t in [hidden, *tensors])
+    )
+
+
+def recurrent_drafts(
+    hidden: torch.Tensor,  # [N, H] the rows that chose next_tokens, in the head's dtype
+    next_tokens: torch.Tensor,  # [N] int64
+    embed: torch.Tensor,  # [V, H] the target's token embedding
+    w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor,  # the head
+    lm_weight: torch.Tensor,  # [V, H] the target's LM head
+    num_tokens: int,
+) -> torch.Tensor:  # [N, num_tokens] int64
+    """The greedy chain of ``num_tokens`` drafts (``RecurrentDraftHead.propose``'s), with no host sync."""
+    rows, dim = hidden.shape
+    inner, vocab = w_in.shape[0], lm_weight.shape[0]
+    device, dtype = hidden.device, w_in.dtype
+    drafts = torch.empty((rows, num_tokens), dtype=torch.int64, device=device)
+    state = torch.empty((rows, dim), dtype=dtype, device=device)
+    activation = torch.empty((rows, inner), dtype=dtype, device=device)
+    num_blocks = triton.cdiv(vocab, BLOCK_VOCAB)
+    best_value = torch.empty((rows, num_blocks), dtype=torch.float32, device=device)
+    best_index = torch.empty((rows, num_blocks), dtype=torch.int32, device=device)
+    next_tokens = next_tokens.reshape(rows)
+    for step in range(num_tokens):
+        # Step 0 reads the target's row and its token; later steps the chain's own state and last draft.
+        source, source_stride = (hidden, hidden.stride(0)) if step == 0 else (state, dim)
+        tokens, token_stride, column = (next_tokens, next_tokens.stride(0), 0) if step == 0 else (drafts, num_tokens, step - 1)
+        _head_in_kernel[(rows, triton.cdiv(inner, BLOCK_HIDDEN))](
+            source, tokens, embed, w_in, b_in, activation,
+            source_stride, token_stride, column, embed.stride(0), w_in.stride(0), dim, inner,
+            BLOCK_N=BLOCK_HIDDEN, BLOCK_K=BLOCK_K,
+        )
+        _head_out_kernel[(rows, triton.cdiv(dim, BLOCK_HIDDEN))](
+            activation, source, w_out, b_out, state, source_stride, w_out.stride(0), dim, inner,
+            BLOCK_N=BLOCK_HIDDEN, BLOCK_K=BLOCK_K,
+        )
+        _lm_head_argmax_kernel[(rows, num_blocks)](
+            state, lm_weight, best_value, best_index, lm_weight.stride(0), dim, vocab, num_blocks,
+            BLOCK_N=BLOCK_VOCAB, BLOCK_K=BLOCK_K,
+        )
+        _argmax_reduce_kernel[(rows,)](
+            best_value, best_index, drafts, num_tokens, step, num_blocks, vocab,
+            BLOCK=triton.next_power_of_2(num_blocks),
+        )
+    return drafts
