@@ -260,13 +260,12 @@ def _torch_chain(head: RecurrentDraftHead, hidden, model, num_tokens: int, first
         head.fused = True
 
 
-def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_trained, held_out_hidden, monkeypatch):
+def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_trained, held_out_hidden):
     """The four-kernel chain (interpreted on a CPU) against torch's, on the real target and a trained head."""
     from executor_svc.speculative import heads_triton
 
-    if engine.device.type == "cpu":  # the interpreter runs one program at a time: fewer, wider blocks
-        monkeypatch.setattr(heads_triton, "BLOCK_VOCAB", 2048)
-        monkeypatch.setattr(heads_triton, "BLOCK_HIDDEN", 256)
+    # The interpreter runs one program at a time: on a CPU, fewer and wider blocks.
+    config = heads_triton.ChainConfig(block_hidden=256, block_vocab=2048) if engine.device.type == "cpu" else None
     head, _ = recurrent_trained
     model = engine.model
     hidden = held_out_hidden[2][5:7]  # two rows
@@ -274,7 +273,7 @@ def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_train
         first = model.compute_logits(hidden).argmax(-1)
         parts = (model.embed_tokens.weight, head.w_in, head.b_in, head.w_out, head.b_out, model.lm_head.weight)
         assert heads_triton.fits(hidden, list(parts))
-        got = heads_triton.recurrent_drafts(hidden, first, *parts, 3)  # one row is the odd-shapes test's
+        got = heads_triton.recurrent_drafts(hidden, first, *parts, 3, config)  # one row is the odd-shapes test's
         assert torch.equal(got, _torch_chain(head, hidden, model, 3, first))
     assert not heads_triton.fits(hidden[:1].expand(heads_triton.MAX_ROWS + 1, -1).contiguous(), list(parts))
     assert not heads_triton.fits(hidden.half(), list(parts))
@@ -308,8 +307,11 @@ def test_triton_chain_on_odd_shapes_and_ties():
         expected = reference(4)
         device = torch.device(TEST_DEVICE)  # a GPU's kernels, or the CPU's interpreter
         parts = [t.detach().to(device) for t in (embed, head.w_in, head.b_in, head.w_out, head.b_out, lm)]
-        got = heads_triton.recurrent_drafts(hidden.to(device), first.to(device), *parts, 4).cpu()
-        assert torch.equal(got, expected)
+        # The default tiles (one step along K here), and narrow ones that loop along K in partial steps.
+        narrow = heads_triton.ChainConfig(block_hidden=16, block_k_hidden=16, block_vocab=16, block_k_vocab=16)
+        for config in (None, narrow):
+            got = heads_triton.recurrent_drafts(hidden.to(device), first.to(device), *parts, 4, config).cpu()
+            assert torch.equal(got, expected)
         assert (got < 70).all()  # a tied maximum never goes to the repeated (higher) id
         one = heads_triton.recurrent_drafts(hidden[:1].to(device), first[:1].to(device), *parts, 1).cpu()
         assert torch.equal(one, expected[:1, :1])

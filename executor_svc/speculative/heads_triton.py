@@ -1,42 +1,59 @@
-"""A recurrent draft head's greedy chain as four Triton kernels a draft.
+"""A recurrent draft head's greedy chain as three Triton kernels a draft.
 
 Each draft of ``RecurrentDraftHead.propose`` is, in torch, some ten kernels:
 the token's embedding, a concatenation, two linears with their biases, the
 SiLU, the residual add, the LM head's GEMV, its float32 copy and an argmax
 over the vocabulary. At batch 1 on a fast GPU each is a few microseconds of
-launch and tail for almost no work, and four drafts of SmolLM2-135M cost more
-than a fifth of a verification round. Here a draft is:
+launch and tail for little work: four drafts of SmolLM2-135M took 0.21 ms
+of a 0.99 ms verification round on an H200
+(bench/results/h200_round_cost_fused_head_smollm2.json). Here a draft is:
 
 * ``_head_in_kernel``: ``SiLU(W_in [s; E[x]] + b_in)``, reading the state and
   the token's embedding row directly (no concatenated copy);
 * ``_head_out_kernel``: ``s + W_out u + b_out``, the next state;
 * ``_lm_head_argmax_kernel``: the LM head's GEMV over a block of the
   vocabulary and that block's best token, so the logits are never written;
-* ``_argmax_reduce_kernel``: the best of the blocks' best, written as the
-  draft that the next draft's first kernel reads.
+  the row's last block to finish (an atomic count) picks the best of the
+  blocks' and writes the draft, which the next draft's first kernel reads.
 
 Every value is rounded where torch's kernels round it (each linear's output,
 the SiLU, the residual sum, the 16-bit logits before the argmax), and ties go
 to the lowest token id as ``torch.argmax``'s do, so the drafts are the torch
 chain's up to the order of float32 sums. Rows are a grid axis, each program
-one row: the weights of the rows' programs for one tile are read from L2, which
-is why only a few rows take this path (``MAX_ROWS``); past that the torch
+one row: the rows' programs for one weight tile run together and share it
+through L2, which serves a few rows (``MAX_ROWS``); past that the torch
 chain's batched GEMMs win.
 
-Checked against the torch chain on the CPU through Triton's interpreter
-(tests/test_draft_heads.py) and on the GPU; timed in bench/round_cost.py.
+Checked against the torch chain on the CPU through Triton's interpreter and on
+the GPU (tests/test_draft_heads.py); timed in bench/round_cost.py and
+bench/draft_head_kernels.py (which chose ``ChainConfig``'s defaults).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 MAX_ROWS = 8  # the most requests whose chain runs these kernels (each program one row)
-BLOCK_HIDDEN = 8  # outputs per program of the head's two linears (small layers: many programs)
-BLOCK_VOCAB = 32  # vocabulary rows per program of the LM head
-BLOCK_K = 128  # the reduction dimension's step (16-byte loads of 16-bit weights)
+
+
+@dataclass(frozen=True)
+class ChainConfig:
+    """Tiles of the chain's kernels. The head's linears are small (SmolLM2-135M's: 2.6 and 1.3 MB), so they
+    take few outputs a program and long steps along K (few dependent loads); the LM head streams its weight."""
+
+    block_hidden: int = 8  # outputs per program of the head's two linears
+    block_k_hidden: int = 1024  # their step along K (at most the next power of two of K)
+    warps_hidden: int = 4
+    block_vocab: int = 32  # vocabulary rows per program of the LM head
+    block_k_vocab: int = 128  # its step along the hidden size
+    warps_vocab: int = 4
+
+
+DEFAULT_CONFIG = ChainConfig()
 
 
 # Step-dependent integers are not specialised on: one compilation serves every draft of every chain length.
@@ -90,11 +107,11 @@ def _head_out_kernel(
     tl.store(state_out_ptr + row * H + n, (state + update).to(dtype), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_drafts", "column"])
 def _lm_head_argmax_kernel(
-    state_ptr, weight_ptr, best_value_ptr, best_index_ptr,
-    stride_weight, H, VOCAB, NUM_BLOCKS,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    state_ptr, weight_ptr, best_value_ptr, best_index_ptr, count_ptr, drafts_ptr,
+    stride_weight, stride_drafts, column, H, VOCAB, NUM_BLOCKS,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_BLOCKS: tl.constexpr,
 ):
     row = tl.program_id(0)  # rows vary fastest: one weight tile's programs run together and share it in L2
     block = tl.program_id(1)
@@ -114,21 +131,18 @@ def _lm_head_argmax_kernel(
     index = tl.min(tl.where(logits == best, v, VOCAB), axis=0)  # the lowest id among equals, as torch.argmax
     tl.store(best_value_ptr + row * NUM_BLOCKS + block, best)
     tl.store(best_index_ptr + row * NUM_BLOCKS + block, index)
-
-
-@triton.jit(do_not_specialize=["stride_drafts", "column"])
-def _argmax_reduce_kernel(
-    best_value_ptr, best_index_ptr, drafts_ptr, stride_drafts, column, NUM_BLOCKS, VOCAB,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    b = tl.arange(0, BLOCK)
-    ok = b < NUM_BLOCKS
-    values = tl.load(best_value_ptr + row * NUM_BLOCKS + b, mask=ok, other=float("-inf"))
-    indices = tl.load(best_index_ptr + row * NUM_BLOCKS + b, mask=ok, other=VOCAB)
-    best = tl.max(values, axis=0)
-    token = tl.min(tl.where(values == best, indices, VOCAB), axis=0)
-    tl.store(drafts_ptr + row * stride_drafts + column, token.to(tl.int64))
+    # The row's last block to finish picks the best of all blocks' (no reduction kernel): its atomic's acquire
+    # sees every earlier block's stores, read from L2 (.cg) rather than a stale L1 line.
+    tl.debug_barrier()
+    if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == NUM_BLOCKS - 1:
+        b = tl.arange(0, BLOCK_BLOCKS)
+        ok = b < NUM_BLOCKS
+        values = tl.load(best_value_ptr + row * NUM_BLOCKS + b, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        indices = tl.load(best_index_ptr + row * NUM_BLOCKS + b, mask=ok, other=VOCAB, cache_modifier=".cg")
+        top = tl.max(values, axis=0)
+        token = tl.min(tl.where(values == top, indices, VOCAB), axis=0)
+        tl.store(drafts_ptr + row * stride_drafts + column, token.to(tl.int64))
+        tl.atomic_xchg(count_ptr + row, 0)  # ready for the next draft
 
 
 def fits(hidden: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
@@ -149,37 +163,40 @@ def recurrent_drafts(
     w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor,  # the head
     lm_weight: torch.Tensor,  # [V, H] the target's LM head
     num_tokens: int,
+    config: ChainConfig | None = None,
 ) -> torch.Tensor:  # [N, num_tokens] int64
     """The greedy chain of ``num_tokens`` drafts (``RecurrentDraftHead.propose``'s), with no host sync."""
+    c = config or DEFAULT_CONFIG
     rows, dim = hidden.shape
     inner, vocab = w_in.shape[0], lm_weight.shape[0]
     device, dtype = hidden.device, w_in.dtype
     drafts = torch.empty((rows, num_tokens), dtype=torch.int64, device=device)
     state = torch.empty((rows, dim), dtype=dtype, device=device)
     activation = torch.empty((rows, inner), dtype=dtype, device=device)
-    num_blocks = triton.cdiv(vocab, BLOCK_VOCAB)
+    num_blocks = triton.cdiv(vocab, c.block_vocab)
     best_value = torch.empty((rows, num_blocks), dtype=torch.float32, device=device)
     best_index = torch.empty((rows, num_blocks), dtype=torch.int32, device=device)
+    counts = torch.zeros(rows, dtype=torch.int32, device=device)  # blocks done per row; the last resets it
     next_tokens = next_tokens.reshape(rows)
     for step in range(num_tokens):
         # Step 0 reads the target's row and its token; later steps the chain's own state and last draft.
         source, source_stride = (hidden, hidden.stride(0)) if step == 0 else (state, dim)
         tokens, token_stride, column = (next_tokens, next_tokens.stride(0), 0) if step == 0 else (drafts, num_tokens, step - 1)
-        _head_in_kernel[(rows, triton.cdiv(inner, BLOCK_HIDDEN))](
+        _head_in_kernel[(rows, triton.cdiv(inner, c.block_hidden))](
             source, tokens, embed, w_in, b_in, activation,
             source_stride, token_stride, column, embed.stride(0), w_in.stride(0), dim, inner,
-            BLOCK_N=BLOCK_HIDDEN, BLOCK_K=BLOCK_K,
+            BLOCK_N=c.block_hidden, BLOCK_K=min(c.block_k_hidden, triton.next_power_of_2(dim)),
+            num_warps=c.warps_hidden,
         )
-        _head_out_kernel[(rows, triton.cdiv(dim, BLOCK_HIDDEN))](
+        _head_out_kernel[(rows, triton.cdiv(dim, c.block_hidden))](
             activation, source, w_out, b_out, state, source_stride, w_out.stride(0), dim, inner,
-            BLOCK_N=BLOCK_HIDDEN, BLOCK_K=BLOCK_K,
+            BLOCK_N=c.block_hidden, BLOCK_K=min(c.block_k_hidden, triton.next_power_of_2(inner)),
+            num_warps=c.warps_hidden,
         )
         _lm_head_argmax_kernel[(rows, num_blocks)](
-            state, lm_weight, best_value, best_index, lm_weight.stride(0), dim, vocab, num_blocks,
-            BLOCK_N=BLOCK_VOCAB, BLOCK_K=BLOCK_K,
-        )
-        _argmax_reduce_kernel[(rows,)](
-            best_value, best_index, drafts, num_tokens, step, num_blocks, vocab,
-            BLOCK=triton.next_power_of_2(num_blocks),
+            state, lm_weight, best_value, best_index, counts, drafts,
+            lm_weight.stride(0), num_tokens, step, dim, vocab, num_blocks,
+            BLOCK_N=c.block_vocab, BLOCK_K=min(c.block_k_vocab, triton.next_power_of_2(dim)),
+            BLOCK_BLOCKS=triton.next_power_of_2(num_blocks), num_warps=c.warps_vocab,
         )
     return drafts
