@@ -28,11 +28,12 @@ from bench_common import log, time_us, write_report  # noqa: E402
 from model_shapes import SHAPES  # noqa: E402
 
 GRID = {
-    "block_hidden": (4, 8, 16),
-    "block_k_hidden": (256, 1024),
+    "block_hidden": (4, 8),
+    "block_k_hidden": (512, 1024, 2048),
+    "warps_hidden": (2, 4, 8),
     "block_vocab": (16, 32, 64),
-    "block_k_vocab": (64, 128, 256),
-    "warps_vocab": (2, 4, 8),
+    "block_k_vocab": (32, 64),
+    "warps_vocab": (1, 2, 4),
 }
 
 
