@@ -49,8 +49,8 @@ class ChainConfig:
     block_k_hidden: int = 1024  # their step along K (at most the next power of two of K)
     warps_hidden: int = 4
     block_vocab: int = 32  # vocabulary rows per program of the LM head
-    block_k_vocab: int = 128  # its step along the hidden size
-    warps_vocab: int = 4
+    block_k_vocab: int = 64  # its step along the hidden size
+    warps_vocab: int = 2
 
 
 DEFAULT_CONFIG = ChainConfig()
