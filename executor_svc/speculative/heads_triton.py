@@ -21,8 +21,11 @@ the SiLU, the residual sum, the 16-bit logits before the argmax), and ties go
 to the lowest token id as ``torch.argmax``'s do, so the drafts are the torch
 chain's up to the order of float32 sums. Rows are a grid axis, each program
 one row: the rows' programs for one weight tile run together and share it
-through L2, which serves a few rows (``MAX_ROWS``); past that the torch
-chain's batched GEMMs win.
+through L2, which serves a few rows (``MAX_ROWS``). On an H200 with
+SmolLM2-135M's sizes a chain of four drafts took 104 us at one row against
+torch's 192, 192 against 213 at four rows, and 320 against 222 at eight
+(bench/results/h200_draft_head_kernels_smollm2.json): past four rows the
+torch chain's batched GEMMs read each weight once and win.
 
 Checked against the torch chain on the CPU through Triton's interpreter and on
 the GPU (tests/test_draft_heads.py); timed in bench/round_cost.py and
@@ -37,17 +40,19 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 8  # the most requests whose chain runs these kernels (each program one row)
+MAX_ROWS = 4  # the most requests whose chain runs these kernels (each program one row): see below
 
 
 @dataclass(frozen=True)
 class ChainConfig:
-    """Tiles of the chain's kernels. The head's linears are small (SmolLM2-135M's: 2.6 and 1.3 MB), so they
-    take few outputs a program and long steps along K (few dependent loads); the LM head streams its weight."""
+    """Tiles of the chain's kernels; the defaults timed fastest at one row on an H200 for SmolLM2-135M's sizes
+    (bench/draft_head_kernels.py). The head's linears are small (2.6 and 1.3 MB there), so they take few
+    outputs a program and their whole K in one step (one round trip to memory); the LM head streams its
+    weight in narrow steps, which keeps more programs resident per SM."""
 
-    block_hidden: int = 8  # outputs per program of the head's two linears
-    block_k_hidden: int = 1024  # their step along K (at most the next power of two of K)
-    warps_hidden: int = 4
+    block_hidden: int = 4  # outputs per program of the head's two linears
+    block_k_hidden: int = 2048  # their step along K (at most the next power of two of K)
+    warps_hidden: int = 2
     block_vocab: int = 32  # vocabulary rows per program of the LM head
     block_k_vocab: int = 64  # its step along the hidden size
     warps_vocab: int = 2
