@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.pdl import enter, pdl_launch_args
+
 MAX_ROWS = 4  # the most requests whose chain runs these kernels (each program one row): see below
 
 
@@ -61,28 +63,40 @@ class ChainConfig:
 DEFAULT_CONFIG = ChainConfig()
 
 
+@triton.jit
+def _tile(ptr, rows, rows_ok, stride, k, K):
+    """[rows, k] of a row-major matrix, zero past K, as float32."""
+    return tl.load(ptr + rows[:, None] * stride + k[None, :], mask=rows_ok[:, None] & (k[None, :] < K), other=0.0).to(
+        tl.float32)
+
+
+# Each kernel loads its first step of weights and its bias, which no earlier kernel writes, before ``enter``
+# (plugins/pdl.py): with programmatic dependent launch that overlaps the kernel before it.
 # Step-dependent integers are not specialised on: one compilation serves every draft of every chain length.
 @triton.jit(do_not_specialize=["stride_tokens", "token_column"])
 def _head_in_kernel(
     state_ptr, tokens_ptr, embed_ptr, w_in_ptr, b_in_ptr, out_ptr,
     stride_state, stride_tokens, token_column, stride_embed, stride_w_in, H, INNER,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INNER
+    k = tl.arange(0, BLOCK_K)
+    w_s = _tile(w_in_ptr, n, n_ok, stride_w_in, k, H)  # the columns that multiply the state
+    w_e = _tile(w_in_ptr + H, n, n_ok, stride_w_in, k, H)  # and the token's embedding
+    bias = tl.load(b_in_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    enter(PDL)
     token = tl.load(tokens_ptr + row * stride_tokens + token_column)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        mask = n_ok[:, None] & k_ok[None, :]
-        s = tl.load(state_ptr + row * stride_state + k, mask=k_ok, other=0.0).to(tl.float32)
-        e = tl.load(embed_ptr + token * stride_embed + k, mask=k_ok, other=0.0).to(tl.float32)
-        w_s = tl.load(w_in_ptr + n[:, None] * stride_w_in + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        w_e = tl.load(w_in_ptr + n[:, None] * stride_w_in + H + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc += w_s * s[None, :] + w_e * e[None, :]
-    bias = tl.load(b_in_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        if k0 > 0:
+            w_s = _tile(w_in_ptr + k0, n, n_ok, stride_w_in, k, H - k0)
+            w_e = _tile(w_in_ptr + H + k0, n, n_ok, stride_w_in, k, H - k0)
+        k_ok = k0 + k < H
+        x = tl.load(state_ptr + row * stride_state + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        e = tl.load(embed_ptr + token * stride_embed + k0 + k, mask=k_ok, other=0.0).to(tl.float32)
+        acc += w_s * x[None, :] + w_e * e[None, :]
     dtype = out_ptr.dtype.element_ty
     y = (tl.sum(acc, axis=1) + bias).to(dtype).to(tl.float32)  # the linear's output, rounded as torch's
     tl.store(out_ptr + row * INNER + n, (y * tl.sigmoid(y)).to(dtype), mask=n_ok)
@@ -92,19 +106,21 @@ def _head_in_kernel(
 def _head_out_kernel(
     inner_ptr, state_in_ptr, w_out_ptr, b_out_ptr, state_out_ptr,
     stride_state_in, stride_w_out, H, INNER,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
+    k = tl.arange(0, BLOCK_K)
+    w = _tile(w_out_ptr, n, n_ok, stride_w_out, k, INNER)
+    bias = tl.load(b_out_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    enter(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, INNER, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < INNER
-        u = tl.load(inner_ptr + row * INNER + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_out_ptr + n[:, None] * stride_w_out + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * u[None, :]
-    bias = tl.load(b_out_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+        if k0 > 0:
+            w = _tile(w_out_ptr + k0, n, n_ok, stride_w_out, k, INNER - k0)
+        u = tl.load(inner_ptr + row * INNER + k0 + k, mask=k0 + k < INNER, other=0.0).to(tl.float32)
+        acc += w * u[None, :]
     dtype = state_out_ptr.dtype.element_ty
     update = (tl.sum(acc, axis=1) + bias).to(dtype).to(tl.float32)
     state = tl.load(state_in_ptr + row * stride_state_in + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -116,19 +132,21 @@ def _head_out_kernel(
 def _lm_head_argmax_kernel(
     state_ptr, weight_ptr, best_value_ptr, best_index_ptr, count_ptr, drafts_ptr,
     stride_weight, stride_drafts, column, H, VOCAB, NUM_BLOCKS,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)  # rows vary fastest: one weight tile's programs run together and share it in L2
     block = tl.program_id(1)
     v = block * BLOCK_N + tl.arange(0, BLOCK_N)
     v_ok = v < VOCAB
+    k = tl.arange(0, BLOCK_K)
+    w = _tile(weight_ptr, v, v_ok, stride_weight, k, H)
+    enter(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
-        s = tl.load(state_ptr + row * H + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(weight_ptr + v[:, None] * stride_weight + k[None, :], mask=v_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * s[None, :]
+        if k0 > 0:
+            w = _tile(weight_ptr + k0, v, v_ok, stride_weight, k, H - k0)
+        x = tl.load(state_ptr + row * H + k0 + k, mask=k0 + k < H, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
     # The 16-bit logits the LM head's GEMM writes, so near-ties resolve as in the torch chain.
     logits = tl.sum(acc, axis=1).to(weight_ptr.dtype.element_ty).to(tl.float32)
     logits = tl.where(v_ok, logits, float("-inf"))
@@ -183,6 +201,7 @@ def recurrent_drafts(
     best_index = torch.empty((rows, num_blocks), dtype=torch.int32, device=device)
     counts = torch.zeros(rows, dtype=torch.int32, device=device)  # blocks done per row; the last resets it
     next_tokens = next_tokens.reshape(rows)
+    pdl = pdl_launch_args(device)
     for step in range(num_tokens):
         # Step 0 reads the target's row and its token; later steps the chain's own state and last draft.
         source, source_stride = (hidden, hidden.stride(0)) if step == 0 else (state, dim)
@@ -191,17 +210,17 @@ def recurrent_drafts(
             source, tokens, embed, w_in, b_in, activation,
             source_stride, token_stride, column, embed.stride(0), w_in.stride(0), dim, inner,
             BLOCK_N=c.block_hidden, BLOCK_K=min(c.block_k_hidden, triton.next_power_of_2(dim)),
-            num_warps=c.warps_hidden,
+            num_warps=c.warps_hidden, **pdl,
         )
         _head_out_kernel[(rows, triton.cdiv(dim, c.block_hidden))](
             activation, source, w_out, b_out, state, source_stride, w_out.stride(0), dim, inner,
             BLOCK_N=c.block_hidden, BLOCK_K=min(c.block_k_hidden, triton.next_power_of_2(inner)),
-            num_warps=c.warps_hidden,
+            num_warps=c.warps_hidden, **pdl,
         )
         _lm_head_argmax_kernel[(rows, num_blocks)](
             state, lm_weight, best_value, best_index, counts, drafts,
             lm_weight.stride(0), num_tokens, step, dim, vocab, num_blocks,
             BLOCK_N=c.block_vocab, BLOCK_K=min(c.block_k_vocab, triton.next_power_of_2(dim)),
-            BLOCK_BLOCKS=triton.next_power_of_2(num_blocks), num_warps=c.warps_vocab,
+            BLOCK_BLOCKS=triton.next_power_of_2(num_blocks), num_warps=c.warps_vocab, **pdl,
         )
     return drafts
