@@ -58,6 +58,13 @@ def _target(vocab: int, hidden: int, dtype, device, gen):
     return model
 
 
+def _config_of(timed: dict):
+    """The ``ChainConfig`` a timed grid entry ran."""
+    from executor_svc.speculative import heads_triton
+
+    return heads_triton.ChainConfig(**{k: timed[k] for k in GRID})
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -99,8 +106,7 @@ def run(args: argparse.Namespace) -> dict:
                 us = time_us(graph.replay, device, warmup=5, repeats=args.repeats)
                 timed.append({**config.__dict__, "us": round(us, 2), "agree": float((drafts == expected).float().mean())})
             timed.sort(key=lambda t: t["us"])
-            default = next((t for t in timed if heads_triton.ChainConfig(**{k: t[k] for k in GRID}) == heads_triton.DEFAULT_CONFIG),
-                           None)
+            default = next((t for t in timed if _config_of(t) == heads_triton.DEFAULT_CONFIG), None)
             out["rows"][str(rows)] = {"torch_us": round(torch_us, 2), "best": timed[0], "default": default,
                                       "min_agree": min(t["agree"] for t in timed), "all": timed}
             log(f"rows {rows}: torch {torch_us:.1f} us, best {timed[0]}, default {default and default['us']} us")

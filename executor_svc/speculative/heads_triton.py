@@ -209,7 +209,10 @@ def recurrent_drafts(
     for step in range(num_tokens):
         # Step 0 reads the target's row and its token; later steps the chain's own state and last draft.
         source, source_stride = (hidden, hidden.stride(0)) if step == 0 else (state, dim)
-        tokens, token_stride, column = (next_tokens, next_tokens.stride(0), 0) if step == 0 else (drafts, num_tokens, step - 1)
+        if step == 0:
+            tokens, token_stride, column = next_tokens, next_tokens.stride(0), 0
+        else:
+            tokens, token_stride, column = drafts, num_tokens, step - 1
         _head_in_kernel[(rows, triton.cdiv(inner, c.block_hidden))](
             source, tokens, embed, w_in, b_in, activation,
             source_stride, token_stride, column, embed.stride(0), w_in.stride(0), dim, inner,
