@@ -11,6 +11,11 @@ quantize / dequantize functions the engines use, to answer:
   (``--per-layer``: one perplexity pass per decoder layer);
 * how much does GPTQ rounding take back? FP8 weights rounded by GPTQ on the
   calibration corpus, with and without the activations.
+* FP8 activations' mantissa or their range (``--sections fp8_range``)? Per-token
+  E4M3 against E4M3's 3-bit mantissa with no exponent limit (no value
+  underflows or saturates), and the share of each projection's inputs that the
+  per-token scale puts below E4M3's smallest normal: would smoothing the
+  activations' outliers (SmoothQuant's migration) help FP8?
 * INT4's grid (``--sections int4``): round to nearest in groups of 128, 64 and 32
   with the engines' integer zero points, and in groups of 32 with a float zero
   point (each group's minimum and maximum exact: Q4_1's grid, a format inflight
@@ -21,7 +26,8 @@ model (lm_head and embeddings are never rounded, as in the engines).
 
     python bench/quant_error_sources.py --device cpu --output bench/results/cpu_quant_error_sources_smollm2.json
 
-and the INT4 rows (``cpu_quant_error_sources_int4_smollm2.json``) with ``--sections int4``.
+the INT4 rows (``cpu_quant_error_sources_int4_smollm2.json``) with ``--sections int4``, and the
+FP8 range rows (``cpu_quant_error_sources_fp8_range_smollm2.json``) with ``--sections fp8_range``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,23 @@ Rounding = Callable[[torch.Tensor], torch.Tensor]
 def fp8_weight_per_channel(w: torch.Tensor) -> torch.Tensor:
     scales = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     return (round_fp8(w.float(), scales).float() * scales).to(w.dtype)
+
+
+def fp8_mantissa_only(x: torch.Tensor) -> torch.Tensor:
+    """E4M3's 3 mantissa bits with an unbounded exponent: every value keeps its relative precision (no subnormals,
+    no saturation), which is what FP8 activations would cost if their range were no object."""
+    xf = x.float()
+    step = torch.exp2(torch.floor(torch.log2(xf.abs().clamp(min=1e-30))) - 3)
+    return (torch.round(xf / step) * step).to(x.dtype)
+
+
+def fp8_subnormal_share(x: torch.Tensor) -> float:
+    """Share of the nonzero inputs that a per-token E4M3 scale (the row's max at 448) puts below the smallest
+    normal (2^-6), where E4M3 keeps fewer than its 3 mantissa bits."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    scaled = rows / (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    nonzero = scaled != 0
+    return float(((scaled.abs() < 2.0 ** -6) & nonzero).sum() / nonzero.sum().clamp(min=1))
 
 
 def int4_integer_zero(group_size: int) -> Rounding:
@@ -112,13 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calib-size", type=int, default=32, help="calibration texts for the GPTQ rows")
     p.add_argument("--calib-max-tokens", type=int, default=256)
     p.add_argument("--per-layer", action="store_true", help="add the one-layer-at-a-time rows")
-    p.add_argument("--sections", default="fp8", help="comma-separated: fp8 (FP8's sources and GPTQ), int4 (INT4 grids)")
+    p.add_argument("--sections", default="fp8",
+                   help="comma-separated: fp8 (FP8's sources and GPTQ), fp8_range (activations' mantissa or range), "
+                        "int4 (INT4 grids)")
     p.add_argument("--work-dir", default=None)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     sections = {part for part in args.sections.split(",") if part}
-    if not sections or sections - {"fp8", "int4"}:
-        raise SystemExit(f"--sections takes fp8 and/or int4, got {args.sections!r}")
+    if not sections or sections - {"fp8", "fp8_range", "int4"}:
+        raise SystemExit(f"--sections takes fp8, fp8_range and/or int4, got {args.sections!r}")
     args.device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     checkpoint = resolve_model(args.model)
     engine_dir = scratch_dir(args.work_dir) / "unquantized"
@@ -173,6 +198,23 @@ def main(argv: list[str] | None = None) -> int:
         row("FP8 weights (per tensor, GPTQ) + activations (per token)", weights=gptq,
             activations=fp8_activation_per_token)
 
+    subnormal_share = {}
+    if "fp8_range" in sections:
+        row("FP8 activations (per token)", activations=fp8_activation_per_token)
+        row("FP8 activations (3-bit mantissa, unbounded exponent)", activations=fp8_mantissa_only)
+        shares: dict[str, list[float]] = {}
+
+        def record(x: torch.Tensor, name: str) -> torch.Tensor:
+            shares.setdefault(name.rsplit(".", 1)[-1], []).append(fp8_subnormal_share(x))
+            return x
+
+        # Every projection's inputs over the first 16 held-out texts, each by its kind (qkv, o, gate_up, down).
+        for name, module in rounded.linears.items():
+            module.forward = lambda x, m=module, n=name: m.kernel(record(x, n), m.weight)
+        perplexity(runner, eval_ids[:16], progress=False)
+        subnormal_share = {kind: round(sum(v) / len(v), 6) for kind, v in shares.items()}
+        log(f"inputs below E4M3's smallest normal after per-token scaling: {subnormal_share}")
+
     per_layer = {}
     if args.per_layer:
         for index in tqdm(range(engine.model_config.num_layers), desc="one layer at a time", unit="layer"):
@@ -188,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": {"texts": len(eval_ids), "corpus": held_out_texts(0)[1]},
         "unquantized_perplexity": round(baseline, 4),
         "rows": rows,
+        "fp8_subnormal_share_by_projection": subnormal_share or None,
         "per_layer_fp8_change": per_layer,
         "per_layer_fp8_change_sum": round(sum(per_layer.values()), 4) if per_layer else None,
     }

@@ -127,6 +127,22 @@ def test_step_kernels_names_each_kernels_category() -> None:
     assert category("Memset (Unknown)") == "other"
 
 
+def test_fp8_range_helpers_round_as_e4m3_without_its_range() -> None:
+    """quant_error_sources' unbounded-exponent rounding keeps 3 mantissa bits at any magnitude (E4M3's own
+    rounding where E4M3 is normal), and the subnormal share counts what a per-token scale puts below 2^-6."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import torch
+    from quant_error_sources import fp8_mantissa_only, fp8_subnormal_share
+
+    x = torch.tensor([1.06, 1.07, -1000.0, 3e-9, 0.0, 300.0])
+    assert fp8_mantissa_only(x).tolist() == pytest.approx([1.0, 1.125, -1024.0, 2.0 ** -29 * 1.625, 0.0, 288.0])
+    normal = torch.linspace(-448, 448, 1001)
+    normal = normal[normal.abs() >= 2.0 ** -6]
+    assert torch.equal(fp8_mantissa_only(normal), normal.to(torch.float8_e4m3fn).float())
+    # One token: max 448 after scaling; 1e-3 * 448 / 448 = 1e-3 < 2^-6 is below normal, 1.0 is not; zeros not counted.
+    assert fp8_subnormal_share(torch.tensor([[448.0, 1.0, 1e-3, 0.0]])) == pytest.approx(1 / 3)
+
+
 @pytest.mark.timeout(170)
 def test_step_kernels_smoke(tmp_path: Path) -> None:
     """bench/step_kernels.py on the CPU (steps run, no device kernels to see): the report has both step kinds."""
