@@ -74,6 +74,19 @@ def _tile(ptr, rows, rows_ok, stride, k, K):
         tl.float32)
 
 
+@triton.jit
+def _dot_rows(w, w_ptr, rows, rows_ok, stride, x_ptr, k, K, BLOCK_K: tl.constexpr):
+    """``W[rows] @ x`` in float32 for one vector ``x`` of length K, ``w`` the first tile (``_tile`` at column 0,
+    which the caller loads before the PDL wait); the later tiles stream in steps of BLOCK_K."""
+    x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+    acc = w * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = _tile(w_ptr + k0, rows, rows_ok, stride, k, K - k0)
+        x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    return tl.sum(acc, axis=1)
+
+
 # Each kernel loads its first step of weights and its bias, which no earlier kernel writes, before ``enter``
 # (plugins/pdl.py): with programmatic dependent launch that overlaps the kernel before it.
 # Step-dependent integers are not specialised on: one compilation serves every draft of every chain length.
@@ -119,14 +132,9 @@ def _head_out_kernel(
     w = _tile(w_out_ptr, n, n_ok, stride_w_out, k, INNER)
     bias = tl.load(b_out_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     enter(PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, INNER, BLOCK_K):
-        if k0 > 0:
-            w = _tile(w_out_ptr + k0, n, n_ok, stride_w_out, k, INNER - k0)
-        u = tl.load(inner_ptr + row * INNER + k0 + k, mask=k0 + k < INNER, other=0.0).to(tl.float32)
-        acc += w * u[None, :]
     dtype = state_out_ptr.dtype.element_ty
-    update = (tl.sum(acc, axis=1) + bias).to(dtype).to(tl.float32)
+    update = (_dot_rows(w, w_out_ptr, n, n_ok, stride_w_out, inner_ptr + row * INNER, k, INNER, BLOCK_K) + bias)
+    update = update.to(dtype).to(tl.float32)
     state = tl.load(state_in_ptr + row * stride_state_in + n, mask=n_ok, other=0.0).to(tl.float32)
     # Only this program reads its outputs' old state, so the state may be updated in place.
     tl.store(state_out_ptr + row * H + n, (state + update).to(dtype), mask=n_ok)
@@ -145,14 +153,9 @@ def _lm_head_argmax_kernel(
     k = tl.arange(0, BLOCK_K)
     w = _tile(weight_ptr, v, v_ok, stride_weight, k, H)
     enter(PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if k0 > 0:
-            w = _tile(weight_ptr + k0, v, v_ok, stride_weight, k, H - k0)
-        x = tl.load(state_ptr + row * H + k0 + k, mask=k0 + k < H, other=0.0).to(tl.float32)
-        acc += w * x[None, :]
     # The 16-bit logits the LM head's GEMM writes, so near-ties resolve as in the torch chain.
-    logits = tl.sum(acc, axis=1).to(weight_ptr.dtype.element_ty).to(tl.float32)
+    logits = _dot_rows(w, weight_ptr, v, v_ok, stride_weight, state_ptr + row * H, k, H, BLOCK_K)
+    logits = logits.to(weight_ptr.dtype.element_ty).to(tl.float32)
     logits = tl.where(v_ok, logits, float("-inf"))
     best = tl.max(logits, axis=0)
     index = tl.min(tl.where(logits == best, v, VOCAB), axis=0)  # the lowest id among equals, as torch.argmax
