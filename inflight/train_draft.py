@@ -97,6 +97,7 @@ def format_report(path: Path, heads, report) -> str:  # heads: AnyDraftHeads, re
     ):
         lines.append(f"  draft {i} (token t+{i + 2})  {before:6.1%} -> {after:6.1%}   ({positions} positions)")
     lines.append(f"accepted    per step with {k} drafts (greedy chain, held-out): "
-                 f"{report.mean_accepted_before:.2f} -> {report.mean_accepted_after:.2f}")
+                 f"{report.mean_accepted_before:.2f} -> {report.mean_accepted_after:.2f} from every position, "
+                 f"{report.walk_accepted_before:.2f} -> {report.walk_accepted_after:.2f} per round as served")
     lines.append("serve with  --speculative draft_heads")
     return "\n".join(lines)

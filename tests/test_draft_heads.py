@@ -104,10 +104,30 @@ def test_agreement_counts_what_each_head_gets_right(engine, trained, held_out_hi
                     if t + 1 + i < hidden.shape[0]:
                         hits[i] += int(logits[i].argmax()) == greedy[t + 1 + i]
                         counts[i] += 1
-    agreement, positions, _ = head_agreement(heads, engine.model, held_out_hidden)
-    assert positions == counts
-    assert agreement == pytest.approx([h / c for h, c in zip(hits, counts)], abs=1e-4)
-    assert agreement[0] > 0  # the trained heads do name some tokens right
+    measured = head_agreement(heads, engine.model, held_out_hidden)
+    assert measured.positions == counts
+    assert measured.per_draft == pytest.approx([h / c for h, c in zip(hits, counts)], abs=1e-4)
+    assert measured.per_draft[0] > 0  # the trained heads do name some tokens right
+
+
+def test_walk_accepts_what_serving_rounds_would(engine, recurrent_trained, held_out_hidden):
+    """The walk's mean is over rounds that start where the round before ended, drafted one round at a time."""
+    head, _ = recurrent_trained
+    k, accepted, rounds = head.num_heads, 0, 0
+    with torch.inference_mode():
+        for hidden in held_out_hidden:
+            greedy = engine.model.compute_logits(hidden).argmax(-1).tolist()
+            position = 0
+            while position < hidden.shape[0] - k:  # rounds whose k drafts all lie inside the text
+                drafts = head.propose(hidden[position : position + 1], engine.model, k,
+                                      torch.tensor(greedy[position : position + 1]))[0].tolist()
+                run = 0
+                while run < k and drafts[run] == greedy[position + 1 + run]:
+                    run += 1
+                accepted, rounds, position = accepted + run, rounds + 1, position + run + 1
+    measured = head_agreement(head, engine.model, held_out_hidden)
+    assert rounds > 0 and measured.walk_accepted == pytest.approx(accepted / rounds, abs=1e-4)
+    assert 0 < measured.walk_accepted <= k
 
 
 def test_saved_heads_load_back_with_identical_proposals(engine, trained, held_out_hidden, tmp_path):

@@ -50,6 +50,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,9 @@ class DistillReport:
     # self-generated text, where the text is the target's own greedy output).
     mean_accepted_before: float = 0.0
     mean_accepted_after: float = 0.0
+    # The same per round of a walk that verifies each text as serving does (``Agreement.walk_accepted``).
+    walk_accepted_before: float = 0.0
+    walk_accepted_after: float = 0.0
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -152,11 +156,14 @@ def distill_heads(engine, config: DistillConfig, progress: bool = True) -> tuple
     heads = heads.to(engine.device)  # trained in float32 whatever the target's dtype
     report = DistillReport(config.kind, data, len(token_lists), sum(h.shape[0] for h in hidden), config.self_generate,
                            config.epochs, config.lr, eval_data=eval_data)
-    report.agreement_before, report.eval_positions, report.mean_accepted_before = head_agreement(
-        heads, engine.model, eval_hidden)
+    before = head_agreement(heads, engine.model, eval_hidden)
+    report.agreement_before, report.eval_positions = before.per_draft, before.positions
+    report.mean_accepted_before, report.walk_accepted_before = before.mean_accepted, before.walk_accepted
     tokens = [torch.tensor(ids[s:], dtype=torch.int64, device=engine.device) for ids, s in zip(token_lists, starts)]
     report.epoch_losses = train_heads(heads, engine.model, hidden, tokens, config, progress)
-    report.agreement_after, _, report.mean_accepted_after = head_agreement(heads, engine.model, eval_hidden)
+    after = head_agreement(heads, engine.model, eval_hidden)
+    report.agreement_after, report.mean_accepted_after, report.walk_accepted_after = (
+        after.per_draft, after.mean_accepted, after.walk_accepted)
     report.seconds = round(time.perf_counter() - began, 1)
     return heads.eval().requires_grad_(False), report
 
@@ -289,24 +296,35 @@ def distill_loss(
     return (per_draft * weights).sum()
 
 
+class Agreement(NamedTuple):
+    """How well draft heads predict the target on held-out text (``head_agreement``)."""
+
+    per_draft: list[float]  # draft i: the fraction of positions where it names the target's greedy token
+    positions: list[int]  # positions scored per draft
+    # Drafts a greedy chain of all heads would have accepted, on average over every position.
+    mean_accepted: float
+    # The same over the rounds of a walk through each text as serving verifies it: a round starts where the
+    # previous one's verification ended (after its accepted drafts and the target's own token), so rounds
+    # start more often just after the heads missed, and this is what a round accepts when serving.
+    walk_accepted: float
+
+
 @torch.inference_mode()
-def head_agreement(
-    heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[torch.Tensor],
-) -> tuple[list[float], list[int], float]:
-    """(per draft: the fraction of positions where it equals the target's greedy token there; positions scored;
-    the mean number of drafts a greedy chain of all of them would have accepted).
+def head_agreement(heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[torch.Tensor]) -> Agreement:
+    """Per-draft agreement and accepted chain lengths of ``heads`` on the texts' hidden states.
 
     At position t the drafts follow the target's own choice there (its argmax,
     which the recurrent head is fed), and draft i is right when it names the
     target's argmax at t + 1 + i (teacher-forced on the text): the token greedy
     verification would accept. A chain accepts its drafts up to the first wrong
-    one; that mean is over the positions with all drafts inside the text.
+    one; both of its means are over positions with all drafts inside the text.
     """
     k = heads.num_heads
     device = next(heads.parameters()).device
     hits = torch.zeros(k, dtype=torch.int64, device=device)
     counts = [0] * k
     accepted, chains = torch.zeros((), dtype=torch.int64, device=device), 0
+    walk_accepted, rounds = 0, 0
     for hidden in hidden_lists:  # hidden: [T, H]
         length = hidden.shape[0]
         if length < 2:
@@ -324,10 +342,17 @@ def head_agreement(
             counts[i] += scored
         whole = length - k  # positions whose K drafts all lie inside the text
         if whole > 0:
-            accepted += right[:whole].to(torch.int64).cumprod(dim=1).sum()
+            chain = right[:whole].to(torch.int64).cumprod(dim=1).sum(dim=1)  # [whole]: drafts each accepts
+            accepted += chain.sum()
             chains += whole
+            position, chain = 0, chain.tolist()
+            while position < whole:
+                walk_accepted += chain[position]
+                rounds += 1
+                position += chain[position] + 1
     agreement = [round(int(h) / c, 4) if c else 0.0 for h, c in zip(hits.tolist(), counts)]
-    return agreement, counts, round(int(accepted) / chains, 4) if chains else 0.0
+    return Agreement(agreement, counts, round(int(accepted) / chains, 4) if chains else 0.0,
+                     round(walk_accepted / rounds, 4) if rounds else 0.0)
 
 
 @torch.inference_mode()
