@@ -239,6 +239,24 @@ def test_offline_throughput_smoke_runs_grpc_and_in_process(tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(200)
+def test_draft_head_variants_smoke_trains_each_variant_on_one_data_set(tmp_path: Path) -> None:
+    """bench/draft_head_variants.py on SmolLM2 (the chat template and a vocabulary that holds the tokenizer's ids),
+    a few short answers: one data set, two variants, both evaluation sets."""
+    out = tmp_path / "variants.json"
+    cmd = [sys.executable, str(REPO / "bench" / "draft_head_variants.py"), "--device", "cpu", "--num-texts", "4", "--num-eval-texts", "2", "--max-tokens", "48", "--epochs", "1", "--num-heads", "2",
+           "--variants", "default;narrow:intermediate_size=64,lr=0.002", "--output", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["bench_chat_prompts"] == 12 and result["training_positions"] > 0
+    assert result["variants"]["narrow"]["overrides"] == {"intermediate_size": 64, "lr": 0.002}
+    for variant in result["variants"].values():
+        for judged in (variant["held_out"], variant["bench_chat"]):
+            assert len(judged["agreement"]) == 2 and 0 <= judged["walk_accepted"] <= 2
+
+
+@pytest.mark.timeout(200)
 def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: Path) -> None:
     out = tmp_path / "spec.json"
     cmd = [

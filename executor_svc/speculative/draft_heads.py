@@ -227,12 +227,14 @@ class RecurrentDraftHead(nn.Module):
 AnyDraftHeads = DraftHeads | RecurrentDraftHead
 
 
-def make_heads(kind: str, max_drafts: int, hidden_size: int, vocab_size: int) -> AnyDraftHeads:
-    """Untrained heads of ``kind`` ("recurrent" or "medusa")."""
+def make_heads(kind: str, max_drafts: int, hidden_size: int, vocab_size: int,
+               intermediate_size: int = 0) -> AnyDraftHeads:
+    """Untrained heads of ``kind`` ("recurrent" or "medusa"); ``intermediate_size`` is the recurrent block's
+    width (0: twice the hidden size)."""
     if kind == "medusa":
         return DraftHeads(max_drafts, hidden_size, vocab_size)
     if kind == "recurrent":
-        return RecurrentDraftHead(max_drafts, hidden_size, vocab_size)
+        return RecurrentDraftHead(max_drafts, hidden_size, vocab_size, intermediate_size)
     raise ValueError(f"draft head kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
 
 
