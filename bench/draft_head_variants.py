@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import log, write_report  # noqa: E402
@@ -39,6 +41,7 @@ NAMED_VARIANTS = {
     "default": {},
     "inner2304": {"intermediate_size": 2304},  # a block four times the hidden size wide, not two
     "hidden0": {"hidden_loss_weight": 0.0},  # KL only: no loss on the predicted hidden state
+    "norm": {"input_norm": True},  # RMS norms on the block's inputs
 }
 
 
@@ -81,11 +84,33 @@ def bench_chat_hidden(engine, max_tokens: int, progress: bool) -> list:
     return answer_hidden(runner, answers, [len(p) - 1 for p in prompts], "bench chat hidden states", progress)
 
 
+def load_or_prepare(engine, base: dict, args: argparse.Namespace):
+    """(DistillData, the bench chat prompts' hidden states): from ``--data-cache`` when it holds data made with
+    the same engine and settings, else generated (and written there when asked)."""
+    from executor_svc.speculative.train_heads import DistillData, prepare_data
+
+    key = {"engine": engine.engine_dir.name, **base, "chat_prompts": CHAT}
+    cache = Path(args.data_cache) if args.data_cache else None
+    if cache is not None and cache.is_file():
+        saved = torch.load(cache, map_location=engine.device)
+        if saved["key"] == key:
+            log(f"data from {cache}")
+            return DistillData(**saved["data"]), saved["chat_hidden"]
+        log(f"{cache} holds data of other settings: generating")
+    data = prepare_data(engine, _distill_config(**base))
+    chat_hidden = bench_chat_hidden(engine, args.max_tokens, progress=True)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        fields = {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}
+        torch.save({"key": key, "data": fields, "chat_hidden": chat_hidden}, cache)
+    return data, chat_hidden
+
+
 def run(args: argparse.Namespace) -> dict:
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
-    from executor_svc.speculative.train_heads import fit_heads, head_agreement, prepare_data
+    from executor_svc.speculative.train_heads import fit_heads, head_agreement
     from inflight.model_store import default_cache_dir
 
     variants = [parse_variant(v) for v in args.variants]
@@ -97,8 +122,7 @@ def run(args: argparse.Namespace) -> dict:
     base = dict(num_heads=args.num_heads, num_texts=args.num_texts, max_tokens_per_text=args.max_tokens,
                 epochs=args.epochs, num_eval_texts=args.num_eval_texts, seed=args.seed)
     started = time.perf_counter()
-    data = prepare_data(engine, _distill_config(**base))
-    chat_hidden = bench_chat_hidden(engine, args.max_tokens, progress=True)
+    data, chat_hidden = load_or_prepare(engine, base, args)
     data_seconds = time.perf_counter() - started
     log(f"data: {len(data.hidden)} training answers ({sum(h.shape[0] for h in data.hidden)} positions), "
         f"{len(data.eval_hidden)} held-out, {len(chat_hidden)} bench chat, {data_seconds:.0f} s")
@@ -135,13 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--variants", default="default", type=lambda s: s.split(";") if ";" in s else s.split(","),
-                   help="comma-separated names (default, inner2304, hidden0), or ';'-separated name:field=value,...")
+                   help="comma-separated names (default, inner2304, hidden0, norm), "
+                        "or ';'-separated name:field=value,...")
     p.add_argument("--num-heads", type=int, default=4, help="chain depth the heads train and are judged at")
     p.add_argument("--num-texts", type=int, default=1024)
     p.add_argument("--num-eval-texts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per text, prompt and answer")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-cache", default="", metavar="FILE",
+                   help="keep the generated data here and reuse it when the engine and settings match")
     p.add_argument("--output", required=True)
     args = p.parse_args(argv)
     default_load_format(args)

@@ -39,6 +39,9 @@ def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="recurrent head: weight of predicting the target's next hidden state (0 = KL only)")
     p.add_argument("--intermediate-size", type=int, default=d.intermediate_size,
                    help="recurrent head: width of its block (0 = twice the hidden size)")
+    p.add_argument("--input-norm", action=argparse.BooleanOptionalAction, default=d.input_norm,
+                   help="recurrent head: RMS-normalise the block's inputs, the target's hidden state and the token's "
+                        "embedding (EAGLE-3's norms; its chain drafts through torch's kernels, not the Triton chain)")
     p.add_argument("--self-generate", action=argparse.BooleanOptionalAction, default=d.self_generate,
                    help="train on the target's own greedy continuations of the texts' first tokens (what the heads "
                         "see when serving; one decode step per token); --no-self-generate: the texts as they are")
@@ -62,7 +65,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
             num_heads=args.num_heads, kind=args.kind, data=args.data, chat=args.chat, num_texts=args.num_texts,
             max_tokens_per_text=args.max_tokens_per_text, self_generate=args.self_generate, epochs=args.epochs,
             lr=args.lr, max_grad_norm=args.max_grad_norm, batch_rows=args.batch_rows, hidden_loss_weight=args.hidden_loss_weight,
-            intermediate_size=args.intermediate_size,
+            intermediate_size=args.intermediate_size, input_norm=args.input_norm,
             num_eval_texts=args.num_eval_texts, seed=args.seed,
         )
         manifest = read_manifest(engine_dir)

@@ -271,6 +271,31 @@ def test_saved_recurrent_head_loads_back_with_identical_drafts(engine, recurrent
         load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)
 
 
+def test_recurrent_head_with_input_norms_steps_on_normalised_inputs_and_loads_back(engine, held_out_hidden, tmp_path):
+    config = engine.model_config
+    torch.manual_seed(0)
+    head = RecurrentDraftHead(3, config.hidden_size, config.vocab_size, input_norm=True).to(engine.device)
+    with torch.no_grad():
+        head.w_out.normal_(std=0.01)
+        head.norm_state.uniform_(0.5, 1.5)
+        head.norm_embed.uniform_(0.5, 1.5)
+    hidden = torch.cat(held_out_hidden)[:32]
+    with torch.inference_mode():
+        first = engine.model.compute_logits(hidden).argmax(-1)
+        embedding = engine.model.embed_tokens(first)
+        plain = RecurrentDraftHead(3, config.hidden_size, config.vocab_size).to(engine.device)
+        plain.load_state_dict({name: t for name, t in head.state_dict().items() if not name.startswith("norm_")})
+        scaled = [x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * g  # RMS norms, written out
+                  for x, g in ((hidden, head.norm_state), (embedding, head.norm_embed))]
+        expected = hidden + (plain.step(*scaled) - scaled[0])  # the block's update added to the raw state
+        assert torch.allclose(head.step(hidden, embedding), expected, atol=1e-5)
+        save_draft_heads(head, tmp_path, {})
+        assert json.loads(heads_meta_path(tmp_path).read_text())["input_norm"] is True
+        loaded = load_draft_heads(tmp_path, config, engine.device, engine.dtype)
+        assert loaded.input_norm and torch.equal(loaded.norm_embed, head.norm_embed)
+        assert torch.equal(loaded.propose(hidden, engine.model, 3, first), head.propose(hidden, engine.model, 3, first))
+
+
 def _torch_chain(head: RecurrentDraftHead, hidden, model, num_tokens: int, first) -> torch.Tensor:
     """``head.propose`` through torch's kernels (never the Triton chain), the oracle of ``heads_triton``."""
     head.fused = False

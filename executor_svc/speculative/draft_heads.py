@@ -108,11 +108,13 @@ class RecurrentDraftHead(nn.Module):
     """One block that steps the target's hidden state forward a token at a time (EAGLE-style, no attention)."""
 
     kind = "recurrent"
-    # Greedy chains of a few rows on a GPU run as four Triton kernels a draft (heads_triton); False, on a head or
+    # Greedy chains of a few rows on a GPU run as three Triton kernels a draft (heads_triton); False, on a head or
     # on the class, keeps torch's kernels (the benchmarks' comparison, the tests' oracle).
     fused = True
 
-    def __init__(self, max_drafts: int, hidden_size: int, vocab_size: int, intermediate_size: int = 0) -> None:
+    def __init__(
+        self, max_drafts: int, hidden_size: int, vocab_size: int, intermediate_size: int = 0, input_norm: bool = False,
+    ) -> None:
         super().__init__()
         if max_drafts < 1:
             raise ValueError(f"max_drafts must be at least 1, got {max_drafts}")
@@ -124,6 +126,12 @@ class RecurrentDraftHead(nn.Module):
         self.b_in = nn.Parameter(torch.zeros(inner))
         self.w_out = nn.Parameter(torch.zeros(hidden_size, inner))
         self.b_out = nn.Parameter(torch.zeros(hidden_size))
+        # RMS norms (learned gains) on the block's two inputs, as EAGLE-3's: the target's residual stream and its
+        # token embeddings differ in scale by an order of magnitude (SmolLM2: RMS about 1.9 against 0.12).
+        self.input_norm = input_norm
+        if input_norm:
+            self.norm_state = nn.Parameter(torch.ones(hidden_size))
+            self.norm_embed = nn.Parameter(torch.ones(hidden_size))
 
     @property
     def max_drafts(self) -> int:
@@ -135,7 +143,11 @@ class RecurrentDraftHead(nn.Module):
 
     def step(self, state: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
         """The predicted next hidden state: state [N, H], token_embedding [N, H] -> [N, H] in the head's dtype."""
-        x = torch.cat([state, token_embedding.to(state.dtype)], dim=-1)  # [N, 2H]
+        token_embedding = token_embedding.to(state.dtype)
+        if self.input_norm:
+            x = torch.cat([_rms_norm(state, self.norm_state), _rms_norm(token_embedding, self.norm_embed)], dim=-1)
+        else:
+            x = torch.cat([state, token_embedding], dim=-1)  # [N, 2H]
         return state + F.linear(F.silu(F.linear(x, self.w_in, self.b_in)), self.w_out, self.b_out)
 
     def forward(self, hidden: torch.Tensor, model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,13 +191,14 @@ class RecurrentDraftHead(nn.Module):
     def _fused_parts(self, hidden: torch.Tensor, model: nn.Module) -> list[torch.Tensor] | None:
         """For a chain from ``hidden`` (in the head's dtype), the tensors ``heads_triton.recurrent_drafts`` reads
         (the embedding, the head's four, the LM head's weight) where its kernels give this chain's drafts: on a
-        GPU, ``fused`` set, a target whose logits are its plain 16-bit LM head's (no quantized head, no soft cap)
+        GPU, ``fused`` set, no input norms, a target whose logits are its plain 16-bit LM head's (no quantized head, no soft cap)
         and few rows. None otherwise."""
         from executor_svc.model.llama import Linear
 
         lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
         if (
-            not self.fused or not hidden.is_cuda or type(lm_head) is not Linear or not isinstance(embed, nn.Embedding)
+            not self.fused or self.input_norm or not hidden.is_cuda or type(lm_head) is not Linear
+            or not isinstance(embed, nn.Embedding)
             or getattr(model.config, "final_logit_softcapping", None) is not None
         ):
             return None
@@ -221,20 +234,26 @@ class RecurrentDraftHead(nn.Module):
         return torch.cat(levels, dim=1)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {"w_in": self.w_in, "b_in": self.b_in, "w_out": self.w_out, "b_out": self.b_out}
+        norms = {"norm_state": self.norm_state, "norm_embed": self.norm_embed} if self.input_norm else {}
+        return {"w_in": self.w_in, "b_in": self.b_in, "w_out": self.w_out, "b_out": self.b_out, **norms}
+
+
+def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x`` over its root mean square (in float32) times ``gain``, in ``x``'s dtype."""
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * gain
 
 
 AnyDraftHeads = DraftHeads | RecurrentDraftHead
 
 
 def make_heads(kind: str, max_drafts: int, hidden_size: int, vocab_size: int,
-               intermediate_size: int = 0) -> AnyDraftHeads:
+               intermediate_size: int = 0, input_norm: bool = False) -> AnyDraftHeads:
     """Untrained heads of ``kind`` ("recurrent" or "medusa"); ``intermediate_size`` is the recurrent block's
-    width (0: twice the hidden size)."""
+    width (0: twice the hidden size), ``input_norm`` whether it normalises its inputs."""
     if kind == "medusa":
         return DraftHeads(max_drafts, hidden_size, vocab_size)
     if kind == "recurrent":
-        return RecurrentDraftHead(max_drafts, hidden_size, vocab_size, intermediate_size)
+        return RecurrentDraftHead(max_drafts, hidden_size, vocab_size, intermediate_size, input_norm)
     raise ValueError(f"draft head kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
 
 
@@ -259,6 +278,7 @@ def save_draft_heads(heads: AnyDraftHeads, engine_dir: Path, meta: dict) -> Path
     }
     if isinstance(heads, RecurrentDraftHead):
         summary["intermediate_size"] = heads.intermediate_size
+        summary["input_norm"] = heads.input_norm
     heads_meta_path(engine_dir).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return path
 
@@ -295,7 +315,7 @@ def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype
         heads: AnyDraftHeads = DraftHeads(int(meta.get("num_heads", 0)) or 1, hidden_size, vocab_size)
     elif kind == "recurrent":
         heads = RecurrentDraftHead(int(meta.get("num_heads", 0)) or 1, hidden_size, vocab_size,
-                                   int(meta.get("intermediate_size", 0)))
+                                   int(meta.get("intermediate_size", 0)), bool(meta.get("input_norm", False)))
     else:
         raise ValueError(f"{path}: unknown draft head kind {kind!r} (this version reads {', '.join(HEAD_KINDS)})")
     expected = {name: tuple(t.shape) for name, t in heads.tensors().items()}

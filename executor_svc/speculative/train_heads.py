@@ -89,6 +89,7 @@ class DistillConfig:
     head_loss_decay: float = 0.8  # head i's loss weighs decay ** i: far heads are less often reached
     hidden_loss_weight: float = 10.0  # recurrent head: weight of predicting the target's next hidden state
     intermediate_size: int = 0  # recurrent head: width of its block (0 = twice the hidden size)
+    input_norm: bool = False  # recurrent head: RMS-normalise the block's inputs (state and token embedding)
     num_eval_texts: int = 32  # held-out texts for the agreement report
     seed: int = 0
 
@@ -179,7 +180,7 @@ def fit_heads(engine, config: DistillConfig, data: DistillData, progress: bool =
     torch.manual_seed(config.seed)  # the recurrent head's random input projection
     config_model = engine.model_config
     heads = make_heads(config.kind, config.num_heads, config_model.hidden_size, config_model.vocab_size,
-                       config.intermediate_size)
+                       config.intermediate_size, config.input_norm)
     heads = heads.to(engine.device)  # trained in float32 whatever the target's dtype
     report = DistillReport(config.kind, data.data, len(data.hidden), sum(h.shape[0] for h in data.hidden),
                            config.self_generate, config.epochs, config.lr, eval_data=data.eval_data)
