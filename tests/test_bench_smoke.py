@@ -243,7 +243,8 @@ def test_draft_head_variants_smoke_trains_each_variant_on_one_data_set(tmp_path:
     """bench/draft_head_variants.py on SmolLM2 (the chat template and a vocabulary that holds the tokenizer's ids),
     a few short answers: one data set, two variants, both evaluation sets."""
     out = tmp_path / "variants.json"
-    cmd = [sys.executable, str(REPO / "bench" / "draft_head_variants.py"), "--device", "cpu", "--num-texts", "4", "--num-eval-texts", "2", "--max-tokens", "48", "--epochs", "1", "--num-heads", "2",
+    cmd = [sys.executable, str(REPO / "bench" / "draft_head_variants.py"), "--device", "cpu", "--num-texts", "4",
+           "--num-eval-texts", "2", "--max-tokens", "48", "--epochs", "1", "--num-heads", "2",
            "--variants", "default;narrow:intermediate_size=64,lr=0.002", "--output", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)

@@ -191,8 +191,8 @@ class RecurrentDraftHead(nn.Module):
     def _fused_parts(self, hidden: torch.Tensor, model: nn.Module) -> list[torch.Tensor] | None:
         """For a chain from ``hidden`` (in the head's dtype), the tensors ``heads_triton.recurrent_drafts`` reads
         (the embedding, the head's four, the LM head's weight) where its kernels give this chain's drafts: on a
-        GPU, ``fused`` set, no input norms, a target whose logits are its plain 16-bit LM head's (no quantized head, no soft cap)
-        and few rows. None otherwise."""
+        GPU, ``fused`` set, no input norms, a target whose logits are its plain 16-bit LM head's (no quantized
+        head, no soft cap) and few rows. None otherwise."""
         from executor_svc.model.llama import Linear
 
         lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
