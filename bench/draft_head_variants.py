@@ -72,16 +72,10 @@ def _distill_config(**overrides):
 
 def bench_chat_hidden(engine, max_tokens: int, progress: bool) -> list:
     """The target's hidden states over its greedy answers to the serving benchmark's chat prompts."""
-    from executor_svc.quantization.forward import PromptForward
-    from executor_svc.speculative.train_heads import _eos_ids, answer_hidden, self_generate
-    from scheduler_svc.tokenizer import Tokenizer
+    from executor_svc.speculative.train_heads import answer_hidden, chat_answers, prompt_runner
 
-    tokenizer = Tokenizer(engine.engine_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])[: max_tokens - 1] for p in CHAT]
-    answers = self_generate(engine, prompts, max_tokens, _eos_ids(engine.engine_dir), progress)
-    runner = PromptForward.create(engine.model, engine.model_config, max_tokens, engine.tokens_per_block,
-                                  engine.device, engine.dtype, engine.layout.dtype)
-    return answer_hidden(runner, answers, [len(p) - 1 for p in prompts], "bench chat hidden states", progress)
+    answers, starts = chat_answers(engine, CHAT, max_tokens, progress)
+    return answer_hidden(prompt_runner(engine, max_tokens), answers, starts, "bench chat hidden states", progress)
 
 
 def load_or_prepare(engine, base: dict, args: argparse.Namespace):
@@ -124,12 +118,13 @@ def run(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     data, chat_hidden = load_or_prepare(engine, base, args)
     data_seconds = time.perf_counter() - started
-    log(f"data: {len(data.hidden)} training answers ({sum(h.shape[0] for h in data.hidden)} positions), "
+    training_positions = sum(h.shape[0] for h in data.hidden)
+    log(f"data: {len(data.hidden)} training answers ({training_positions} positions), "
         f"{len(data.eval_hidden)} held-out, {len(chat_hidden)} bench chat, {data_seconds:.0f} s")
     report: dict = {
         "engine_dir": engine_dir.name, "device": str(engine.device), "dtype": str(engine.dtype),
         "data": data.data, "eval_data": data.eval_data, "bench_chat_prompts": len(CHAT),
-        "training_positions": sum(h.shape[0] for h in data.hidden),
+        "training_positions": training_positions,
         "held_out_positions": sum(h.shape[0] for h in data.eval_hidden),
         "bench_chat_positions": sum(h.shape[0] for h in chat_hidden),
         "data_seconds": round(data_seconds, 1), "variants": {},
