@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> dict:
     engine = load_engine(engine_dir, RuntimeConfig(device=args.device, num_kv_blocks=min_blocks, cuda_graphs=False))
     base = dict(num_heads=args.num_heads, num_texts=args.num_texts, max_tokens_per_text=args.max_tokens,
                 epochs=args.epochs, num_eval_texts=args.num_eval_texts, seed=args.seed)
+    if args.requests != "builtin":  # (only then: data cached before the setting existed stays valid)
+        base["requests"] = args.requests
     started = time.perf_counter()
     data, chat_hidden = load_or_prepare(engine, base, args)
     data_seconds = time.perf_counter() - started
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256, help="tokens per text, prompt and answer")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", default="builtin", choices=["builtin", "sampled", "mixed"],
+                   help="where the training requests come from (`inflight train-draft --requests`)")
     p.add_argument("--data-cache", default="", metavar="FILE",
                    help="keep the generated data here and reuse it when the engine and settings match")
     p.add_argument("--output", required=True)

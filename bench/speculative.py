@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import shlex
 import statistics
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -105,8 +106,10 @@ CHAT = [
 # ``draft_heads:lookup3:k8``: draft heads, with prompt lookup's drafts (up to 8) wherever the request's last 3+
 # tokens occurred earlier in its own tokens (``--heads-lookup``). ``fused0``: a recurrent head's chain in torch's
 # kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
+# ``heads1``: draft with the first set of heads trained by --more-train-draft-args, beside --train-heads' own.
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
-                  "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels"}
+                  "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels",
+                  "heads": "heads_set"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -212,14 +215,28 @@ def run_generate(args) -> dict:
     build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
+    # Set 0 of draft heads is the engine's own; sets 1, 2, ... (--more-train-draft-args) live in folders of their
+    # own, served by modes with the setting headsN.
+    heads_dirs: dict[int, Path] = {0: engine_dir}
+    train_seconds: dict[int, float] = {}
     if args.train_heads:  # `inflight train-draft` with its defaults (self-distillation on the built-in corpus)
         from inflight.cli import main as inflight_main
 
-        started = time.perf_counter()
         device = "cuda" if args.device.startswith("cuda") else "cpu"
-        if inflight_main(["train-draft", str(engine_dir), "--device", device, *shlex.split(args.train_draft_args)]):
-            raise SystemExit("training draft heads failed")
-        train_seconds = time.perf_counter() - started
+        for i, extra in enumerate([args.train_draft_args, *args.more_train_draft_args]):
+            if i:
+                heads_dirs[i] = Path(tempfile.mkdtemp(prefix=f"inflight-heads{i}-"))
+            started = time.perf_counter()
+            output = ["--output", str(heads_dirs[i])] if i else []
+            if inflight_main(["train-draft", str(engine_dir), "--device", device, *output, *shlex.split(extra)]):
+                raise SystemExit(f"training draft heads (set {i}) failed")
+            train_seconds[i] = time.perf_counter() - started
+    elif args.more_train_draft_args:
+        raise SystemExit("--more-train-draft-args trains heads beside --train-heads' own: pass --train-heads too")
+    for mode in args.modes:
+        heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
+        if heads_set not in heads_dirs:
+            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} (sets: {sorted(heads_dirs)})")
     base = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction))
     tokenizer = Tokenizer(engine_dir)
     prompts = {"grounded": GROUNDED, "chat": CHAT}[args.prompts][: args.num_prompts or None]
@@ -236,7 +253,8 @@ def run_generate(args) -> dict:
     if args.train_heads:
         from executor_svc.speculative.draft_heads import read_heads_meta
 
-        report["draft_heads"] = {"train_seconds": train_seconds, **read_heads_meta(engine_dir)}
+        for i, folder in heads_dirs.items():
+            report["draft_heads" + (str(i) if i else "")] = {"train_seconds": train_seconds[i], **read_heads_meta(folder)}
 
     graphs_with_masks: dict = {}
 
@@ -244,6 +262,9 @@ def run_generate(args) -> dict:
         from executor_svc.speculative.draft_heads import RecurrentDraftHead
 
         spec = _mode_config(mode, args)
+        heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
+        if heads_set:
+            spec = dataclasses.replace(spec, draft_heads_dir=heads_dirs[heads_set])
         # Set on the class before the executor loads its heads and captures their chains' graphs.
         RecurrentDraftHead.fused = bool(getattr(_mode_settings(mode, args)[1], "fused_head_kernels", 1))
         engine = dataclasses.replace(base, speculative=spec)
@@ -542,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="Python's GIL switch interval for this run (0 = leave the default, 5 ms)")
     gen.add_argument("--train-heads", action="store_true", help="run `inflight train-draft` on the engine first")
     gen.add_argument("--train-draft-args", default="", help="extra arguments for `inflight train-draft`, one string")
+    gen.add_argument("--more-train-draft-args", action="append", default=[], metavar="ARGS",
+                     help="with --train-heads: train another set of heads with these arguments, in a folder of its "
+                          "own; a mode with the setting headsN serves the N-th such set (repeatable)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
     cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")

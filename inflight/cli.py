@@ -47,6 +47,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="draft_heads: where a request's last N or more tokens (up to --ngram-max) occurred earlier "
                         "in its own tokens, draft what followed there instead of the heads' guesses, up to "
                         "--num-draft-tokens; 0 = the heads alone")
+    g.add_argument("--draft-heads", default=None, metavar="DIR",
+                   help="draft_heads: the folder of the heads to draft with (`inflight train-draft --output`); "
+                        "default: the engine's folder")
     g.add_argument("--draft-tree", default="chain",
                    help="draft_heads: 'chain' (k drafts in a row), 'default' (a 14-node tree to depth 4) or the "
                         "tree's paths of guess ranks, e.g. '0;1;2;0,0;1,0;0,0,0': requests verify the tree")

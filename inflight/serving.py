@@ -40,7 +40,8 @@ def speculative_config_from_args(args: argparse.Namespace):
         raise SystemExit(f"inflight: --draft-tree needs --speculative draft_heads, not {args.speculative}")
     try:
         return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir,
-                                 args.speculative_rounds, tree, heads_lookup=args.heads_lookup)
+                                 args.speculative_rounds, tree, heads_lookup=args.heads_lookup,
+                                 draft_heads_dir=Path(args.draft_heads) if args.draft_heads else None)
     except ValueError as exc:
         raise SystemExit(f"inflight: speculative decoding: {exc}") from None
 
@@ -120,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> None:
         "--speculative-rounds", str(args.speculative_rounds), "--draft-tree", args.draft_tree,
         "--heads-lookup", str(args.heads_lookup),
         *(["--draft-model", str(draft_dir)] if draft_dir else []),
+        *(["--draft-heads", str(Path(args.draft_heads).resolve())] if args.draft_heads else []),
     ]
     child = subprocess.Popen(executor_cmd)
     try:

@@ -1,7 +1,8 @@
 """``inflight train-draft``: draft heads for an engine (recurrent EAGLE-style or Medusa), by self-distillation.
 
 The heads are written next to the engine (``draft_heads.safetensors`` and
-``draft_heads.json``); ``inflight serve --speculative draft_heads`` uses them.
+``draft_heads.json``), or into ``--output DIR``; ``inflight serve --speculative
+draft_heads`` uses the engine's, ``--draft-heads DIR`` another folder's.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from pathlib import Path
 
 def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``train-draft`` on the CLI's subparsers."""
-    from executor_svc.speculative.train_heads import DistillConfig
+    from executor_svc.speculative.train_heads import REQUEST_SOURCES, DistillConfig
 
     d = DistillConfig()
     p = subparsers.add_parser("train-draft", help="train draft heads for an engine (speculative decoding)")
-    p.add_argument("engine_dir", help="engine folder; the heads are saved in it")
+    p.add_argument("engine_dir", help="engine folder; the heads are saved in it unless --output says elsewhere")
+    p.add_argument("--output", default=None, metavar="DIR",
+                   help="save the heads in this folder instead (serve them with --draft-heads DIR)")
     p.add_argument("--kind", default=d.kind, choices=["recurrent", "medusa"],
                    help="recurrent: one block that steps the target's hidden state a token at a time (EAGLE-style); "
                         "medusa: one independent head per draft position")
@@ -29,6 +32,10 @@ def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=d.chat,
                    help="the texts are user requests: wrap each in the chat template and train on the target's "
                         "greedy answers (what the heads draft when serving chat)")
+    p.add_argument("--requests", default=d.requests, choices=list(REQUEST_SOURCES),
+                   help="chat without --data: builtin (templated requests about everyday subjects), sampled (requests "
+                        "the target writes itself, continuing its chat template where the user's message begins, at "
+                        "temperature 1) or mixed (half each)")
     p.add_argument("--num-texts", type=int, default=d.num_texts, help="training texts")
     p.add_argument("--max-tokens-per-text", type=int, default=d.max_tokens_per_text, help="tokens kept per text")
     p.add_argument("--epochs", type=int, default=d.epochs)
@@ -62,7 +69,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
     engine_dir = Path(args.engine_dir)
     try:
         config = DistillConfig(
-            num_heads=args.num_heads, kind=args.kind, data=args.data, chat=args.chat, num_texts=args.num_texts,
+            num_heads=args.num_heads, kind=args.kind, data=args.data, chat=args.chat, requests=args.requests,
+            num_texts=args.num_texts,
             max_tokens_per_text=args.max_tokens_per_text, self_generate=args.self_generate, epochs=args.epochs,
             lr=args.lr, max_grad_norm=args.max_grad_norm, batch_rows=args.batch_rows, hidden_loss_weight=args.hidden_loss_weight,
             intermediate_size=args.intermediate_size, input_norm=args.input_norm,
@@ -76,17 +84,24 @@ def run_train_draft(args: argparse.Namespace) -> int:
     except (FileNotFoundError, EngineMismatchError, ValueError, RuntimeError) as exc:
         print(f"inflight train-draft: {exc}", file=sys.stderr)
         return 2
+    output = Path(args.output) if args.output else engine_dir
+    try:  # before training: a folder that cannot be written should not cost the minutes of a run
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"inflight train-draft: --output {output}: {exc}", file=sys.stderr)
+        return 2
     try:
         heads, report = distill_heads(engine, config)
     except (FileNotFoundError, ValueError) as exc:  # an unreadable or empty --data file
         print(f"inflight train-draft: {exc}", file=sys.stderr)
         return 2
-    path = save_draft_heads(heads, engine_dir, report.to_json())
-    print(format_report(path, heads, report))
+    path = save_draft_heads(heads, output, report.to_json())
+    print(format_report(path, heads, report, separate=output != engine_dir))
     return 0
 
 
-def format_report(path: Path, heads, report) -> str:  # heads: AnyDraftHeads, report: DistillReport
+def format_report(path: Path, heads, report, separate: bool = False) -> str:  # AnyDraftHeads, DistillReport
+    # separate: the heads are in a folder of their own, not the engine's
     """What the CLI prints: where the heads went, what they were trained on, and per-draft agreement."""
     losses = f"{report.epoch_losses[0]:.3f} -> {report.epoch_losses[-1]:.3f}" if report.epoch_losses else "n/a"
     h, k = heads.hidden_size, heads.num_heads
@@ -105,5 +120,5 @@ def format_report(path: Path, heads, report) -> str:  # heads: AnyDraftHeads, re
     lines.append(f"accepted    per step with {k} drafts (greedy chain, held-out): "
                  f"{report.mean_accepted_before:.2f} -> {report.mean_accepted_after:.2f} from every position, "
                  f"{report.walk_accepted_before:.2f} -> {report.walk_accepted_after:.2f} per round as served")
-    lines.append("serve with  --speculative draft_heads")
+    lines.append("serve with  --speculative draft_heads" + (f" --draft-heads {path.parent}" if separate else ""))
     return "\n".join(lines)

@@ -23,7 +23,9 @@ from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.draft_heads import (
     DraftHeads, RecurrentDraftHead, heads_meta_path, heads_path, load_draft_heads, save_draft_heads,
 )
+from executor_svc.speculative.chat_prompts import sampled_requests
 from executor_svc.speculative.ngram import NgramIndex
+from executor_svc.speculative.self_generation import Sampling
 from executor_svc.speculative.train_heads import (
     DistillConfig, collect_hidden, distill_heads, head_agreement, self_generate,
 )
@@ -168,6 +170,51 @@ def test_self_generated_text_is_the_targets_own_greedy_continuation(engine):
         assert tokens[len(prompt) :] == greedy[len(prompt) - 1 : -1]
 
 
+@pytest.mark.parametrize("temperature, top_p", [(0.7, 1.0), (1.0, 0.8)])
+def test_sampling_draws_from_the_distribution_it_names(temperature, top_p):
+    """Self-generation's sampler against the distribution it claims: softmax(logits / T), cut to the smallest set
+    of most likely tokens whose mass reaches top_p (the first always kept) and renormalised."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    draws = 40_000
+    drawn = Sampling(temperature, top_p, seed=1).draw(logits.expand(draws, -1))
+    frequency = torch.bincount(drawn, minlength=5).double() / draws
+    probs = torch.softmax(logits.double() / temperature, -1)  # already sorted, most likely first
+    kept = (probs.cumsum(0) - probs) < top_p
+    expected = torch.where(kept, probs, 0.0) / probs[kept].sum()
+    assert kept.sum() == (5 if top_p == 1.0 else 2)  # 0.64 + 0.23 reach 0.8: the nucleus is two tokens
+    sigma = (expected * (1 - expected) / draws).sqrt()
+    assert ((frequency - expected).abs() <= 5 * sigma + 1e-12).all(), (frequency, expected)
+    assert torch.equal(Sampling(temperature, top_p, seed=1).draw(logits.expand(draws, -1)), drawn)  # seeded
+    for bad in ({"temperature": 0.0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
+
+
+def test_requests_the_target_writes_fill_the_user_turn_of_its_chat_template(engine):
+    """Magpie's recipe: the target continues its chat template cut where the user's message begins. Each request is
+    distinct and ended within the limit (its turn closed), and the seed makes them again."""
+    from scheduler_svc.tokenizer import Tokenizer
+
+    requests = sampled_requests(engine, 5, seed=0, progress=False)
+    assert 1 <= len(requests) <= 5 and len({r.casefold() for r in requests}) == len(requests)
+    assert all(r and r == r.strip() for r in requests)
+    assert sampled_requests(engine, 5, seed=0, progress=False) == requests
+    tokenizer = Tokenizer(engine.engine_dir)
+    rendered = tokenizer.hf.apply_chat_template([{"role": "user", "content": requests[0]}], tokenize=False,
+                                                add_generation_prompt=False)
+    assert requests[0] in rendered and rendered.index(requests[0]) > 0  # after the system turn and the user's tag
+
+
+def test_chat_requests_mixed_from_both_sources_train_heads(engine):
+    config = DistillConfig(num_heads=2, requests="mixed", num_texts=4, max_tokens_per_text=72, epochs=1,
+                           num_eval_texts=2, batch_rows=32)
+    heads, report = distill_heads(engine, config, progress=False)
+    assert report.data.startswith("2 built-in and 2 target-written chat requests") and report.num_texts == 4
+    assert report.num_tokens > 0 and len(report.agreement_after) == 2
+    with pytest.raises(ValueError, match="requests must be one of builtin, sampled, mixed"):
+        DistillConfig(requests="web")
+
+
 def _cli(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="inflight")
     add_train_draft_parser(parser.add_subparsers(dest="command", required=True))
@@ -202,6 +249,19 @@ def test_train_draft_command_writes_heads_the_engine_can_load(tiny_engine_dir, t
     assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--no-chat")) == 0  # docstring continuations
     assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--no-self-generate")) == 2  # chat needs answers
     assert "self_generate" in capsys.readouterr().err
+    # Heads saved in a folder of their own, which serving names with --draft-heads; the engine's stay as they were.
+    before = heads_path(tiny_engine_dir).read_bytes()
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--output", str(tmp_path / "heads"))) == 0
+    assert f"--draft-heads {tmp_path / 'heads'}" in capsys.readouterr().out
+    assert heads_path(tiny_engine_dir).read_bytes() == before
+    assert isinstance(load_draft_heads(tmp_path / "heads", config, torch.device(TEST_DEVICE), torch.float32),
+                      RecurrentDraftHead)
+    (tmp_path / "file").write_text("")
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--output", str(tmp_path / "file" / "heads"))) == 2
+    assert "--output" in capsys.readouterr().err
+    # Random weights never end a user's turn: asked for requests the target writes, the command says so.
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--requests", "sampled")) == 2
+    assert "wrote no request" in capsys.readouterr().err
 
 
 # -- the recurrent (EAGLE-style) head ----------------------------------------------------------
@@ -464,8 +524,11 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
 
     head, _ = recurrent_trained
     save_draft_heads(head, tmp_path, {"test": True})
-    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, head.num_heads, max_rounds=rounds)
-    spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=speculative)
+    # The heads next to the engine, or (three rounds) in a folder named by the configuration (--draft-heads).
+    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, head.num_heads, max_rounds=rounds,
+                                    draft_heads_dir=tmp_path if rounds == 3 else None)
+    spec = dataclasses.replace(engine, engine_dir=engine.engine_dir if rounds == 3 else tmp_path,
+                               speculative=speculative)
     prompts, max_tokens = COPY_PROMPTS[:2] + PROMPTS[:3], 20
     outputs, usages, _ = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False}, max_tokens=max_tokens)
     served = [usage.num_accepted_draft_tokens for usage in usages]

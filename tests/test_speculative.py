@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,6 +181,8 @@ def test_heads_lookup_is_checked_where_it_is_configured():
     with pytest.raises(ValueError, match="does not combine with a draft tree"):
         SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, heads_lookup=2, draft_tree=((0,), (0, 0)))
     assert SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 8, heads_lookup=3).num_draft_tokens == 8
+    with pytest.raises(ValueError, match="a draft heads folder needs speculative mode draft_heads, not ngram"):
+        SpeculativeConfig(SpeculativeMode.NGRAM, draft_heads_dir=Path("heads"))
 
 
 def test_round_finished_kernel_matches_its_reference():

@@ -67,3 +67,57 @@ def chat_requests(limit: int, held_out: bool = False, seed: int = 0) -> list[str
     requests = [t.format(s=s) for s in subjects for t in TEMPLATES]
     random.Random(seed + int(held_out)).shuffle(requests)
     return requests[:limit]
+
+
+REQUEST_MARK = "\x1frequest\x1f"  # stands for the user's message when the chat template is split around it
+MAX_REQUEST_TOKENS = 64  # a sampled request that has not ended by then is dropped
+REQUEST_ROUNDS = 4  # sampling rounds before giving up on reaching ``limit`` distinct requests
+
+
+def sampled_requests(engine, limit: int, seed: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+                     progress: bool = True) -> list[str]:
+    """Up to ``limit`` distinct user requests written by the target itself (Magpie's recipe, Xu et al. 2024).
+
+    An instruction-tuned model continues its chat template, cut where the user's message begins, with
+    the kind of request it was trained to answer: sampled at ``temperature`` until the user's turn
+    ends, they follow the target's own idea of a chat, not the few templates of ``chat_requests``.
+    Requests that run past ``MAX_REQUEST_TOKENS`` without ending, empty ones and repeats are dropped.
+    """
+    from executor_svc.speculative.self_generation import Sampling, self_generate, tokenizer_eos_ids
+    from scheduler_svc.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(engine.engine_dir)
+    if not tokenizer.has_chat_template:
+        raise ValueError(f"the engine's tokenizer ({engine.engine_dir}) has no chat template to sample requests in")
+    rendered = tokenizer.hf.apply_chat_template([{"role": "user", "content": REQUEST_MARK}], tokenize=False,
+                                                add_generation_prompt=False)
+    head, found, tail = rendered.partition(REQUEST_MARK)
+    if not found:
+        raise ValueError("the chat template does not place the user's message verbatim: no requests to sample")
+    prefix = list(tokenizer.hf.encode(head, add_special_tokens=False))
+    tail_ids = tokenizer.hf.encode(tail, add_special_tokens=False)
+    stops = tokenizer_eos_ids(engine.engine_dir) | set(tail_ids[:1])  # the token that ends the user's turn
+    max_tokens = len(prefix) + MAX_REQUEST_TOKENS
+    if max_tokens > engine.max_seq_len:
+        raise ValueError(f"sampling requests needs {max_tokens} tokens of context, the engine holds {engine.max_seq_len}")
+    sampling = Sampling(temperature, top_p, seed)
+    requests: list[str] = []
+    seen: set[str] = set()
+    for _ in range(REQUEST_ROUNDS):
+        wanted = limit - len(requests)
+        if wanted <= 0:
+            break
+        drawn = self_generate(engine, [prefix] * (wanted + wanted // 4 + 2), max_tokens, stops, progress, sampling)
+        added = 0
+        for ids in drawn:
+            body = ids[len(prefix):]
+            if not body or body[-1] not in stops:
+                continue  # ran out of room mid-request
+            text = tokenizer.hf.decode(body[:-1], skip_special_tokens=True).strip()
+            if text and text.casefold() not in seen and len(requests) < limit:
+                seen.add(text.casefold())
+                requests.append(text)
+                added += 1
+        if not added:
+            break
+    return requests

@@ -39,8 +39,9 @@ class HeadsProposer:
 
     @classmethod
     def load(cls, engine) -> HeadsProposer:  # engine: executor_svc.engine.Engine
-        heads = load_draft_heads(engine.engine_dir, engine.model_config, engine.device, engine.dtype)
         spec = engine.speculative
+        folder = spec.draft_heads_dir if spec.draft_heads_dir is not None else engine.engine_dir
+        heads = load_draft_heads(folder, engine.model_config, engine.device, engine.dtype)
         return cls(heads, engine.model, (spec.heads_lookup, spec.ngram_max) if spec.heads_lookup else None)
 
     @property

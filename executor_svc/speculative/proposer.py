@@ -56,6 +56,8 @@ class SpeculativeConfig:
     # draft what followed there instead of the heads' guesses (prompt lookup as in NGRAM, up to ngram_max
     # tokens of suffix); 0 = the heads alone. A repeated run is a better guess than a small head's.
     heads_lookup: int = 0
+    # DRAFT_HEADS: the folder whose heads draft (``inflight train-draft --output``); None: the engine's own.
+    draft_heads_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is None:
@@ -66,6 +68,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
         if not 1 <= self.max_rounds <= 64:
             raise ValueError(f"max_rounds must be in [1, 64], got {self.max_rounds}")
+        if self.draft_heads_dir is not None and self.mode is not SpeculativeMode.DRAFT_HEADS:
+            raise ValueError(f"a draft heads folder needs speculative mode draft_heads, not {self.mode.value or 'none'}")
         if self.heads_lookup:
             if self.mode is not SpeculativeMode.DRAFT_HEADS:
                 raise ValueError(f"heads_lookup needs speculative mode draft_heads, not {self.mode.value or 'none'}")

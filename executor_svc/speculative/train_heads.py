@@ -29,10 +29,12 @@ the heads read hidden states of contexts made of the target's own accepted
 tokens, not of human text; it costs a decode step per token, seconds on a GPU
 and minutes on a CPU):
 
-* ``chat`` (the default): user requests (``--data FILE``, one per line, or the
-  built-in ones of ``chat_prompts``) wrapped in the tokenizer's chat
-  template, answered greedily by the target; the held-out report uses
-  requests about subjects training never saw, answered the same way.
+* ``chat`` (the default): user requests (``--data FILE``, one per line; else
+  ``requests``: the built-in templated ones of ``chat_prompts``, ones the
+  target writes itself by continuing its chat template where a user's message
+  begins, or half each) wrapped in the tokenizer's chat template, answered
+  greedily by the target; the held-out report uses built-in requests about
+  subjects training never saw, answered the same way.
 * otherwise texts (``--data FILE`` or the built-in stdlib-docstring corpus):
   the target continues each text's first ``prompt_tokens`` tokens greedily,
   or with ``self_generate=False`` the texts are used as they are (one context
@@ -49,7 +51,6 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -57,16 +58,17 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from executor_svc.packed_forward import Segment, pack, run_packed
 from executor_svc.quantization.corpus import calibration_texts, encode_texts, held_out_texts, text_lines
 from executor_svc.quantization.forward import PromptForward
-from executor_svc.speculative.chat_prompts import chat_requests
+from executor_svc.speculative.chat_prompts import MAX_REQUEST_TOKENS, chat_requests, sampled_requests
 from executor_svc.speculative.draft_heads import HEAD_KINDS, AnyDraftHeads, make_heads
-from kvcache.layout import KVCacheLayout
+from executor_svc.speculative.self_generation import self_generate, tokenizer_eos_ids
 
+# Where chat requests come from when no file is given: the built-in templated ones (``chat_requests``), ones the
+# target writes itself (``sampled_requests``), or half each.
+REQUEST_SOURCES = ("builtin", "sampled", "mixed")
 SEGMENT_ROWS = 16  # minibatches take runs of consecutive positions: their teacher rows overlap
 EVAL_ROWS = 128  # positions scored at once by head_agreement ([rows, K, vocab] float32 logits)
-GENERATE_CACHE_BYTES = 1 << 30  # KV cache of one self-generation batch
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class DistillConfig:
     kind: str = "recurrent"  # "recurrent" (EAGLE-style) or "medusa"
     data: str = ""  # file of texts (or chat requests), one per line; "" = the built-in ones
     chat: bool = True  # the texts are user requests: wrap each in the chat template, train on the answers
+    requests: str = "builtin"  # chat without ``data``: one of REQUEST_SOURCES
     num_texts: int = 1024  # training texts (the built-in chat requests number 1,848, the docstrings about 210)
     max_tokens_per_text: int = 256
     self_generate: bool = True  # train on the target's greedy continuations of the texts' first tokens
@@ -103,6 +106,8 @@ class DistillConfig:
             raise ValueError(f"lr and max_grad_norm must be positive, got {self.lr} and {self.max_grad_norm}")
         if self.kind not in HEAD_KINDS:
             raise ValueError(f"kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
+        if self.requests not in REQUEST_SOURCES:
+            raise ValueError(f"requests must be one of {', '.join(REQUEST_SOURCES)}, got {self.requests!r}")
         if self.chat and not self.self_generate:
             raise ValueError("chat requests carry no answers to train on: chat needs self_generate")
         if self.intermediate_size < 0:
@@ -213,7 +218,7 @@ def training_texts(engine, config: DistillConfig, max_tokens: int, progress: boo
             requests = text_lines(config.data, config.num_texts, "chat requests file")
             data = f"chat requests of {config.data}"
         else:
-            requests, data = chat_requests(config.num_texts), "built-in chat requests"
+            requests, data = chat_request_mix(engine, config, progress)
         eval_requests = chat_requests(config.num_eval_texts, held_out=True)
         token_lists, starts = chat_answers(engine, requests, max_tokens, progress)
         eval_lists, eval_starts = chat_answers(engine, eval_requests, max_tokens, progress)
@@ -228,9 +233,23 @@ def training_texts(engine, config: DistillConfig, max_tokens: int, progress: boo
         raise ValueError(f"no texts of two or more tokens to train on ({data}) or to evaluate on ({eval_data})")
     if config.self_generate:
         prompts = [ids[: max(1, min(config.prompt_tokens, len(ids) - 1))] for ids in token_lists]
-        token_lists = self_generate(engine, prompts, max_tokens, _eos_ids(engine.engine_dir), progress)
+        token_lists = self_generate(engine, prompts, max_tokens, tokenizer_eos_ids(engine.engine_dir), progress)
         data += f", greedy continuations of their first {config.prompt_tokens} tokens"
     return (token_lists, [0] * len(token_lists), data), (eval_lists, [0] * len(eval_lists), eval_data)
+
+
+def chat_request_mix(engine, config: DistillConfig, progress: bool = True) -> tuple[list[str], str]:
+    """``config.num_texts`` training requests from ``config.requests``'s source, and what they are."""
+    sampled = {"builtin": 0, "sampled": config.num_texts, "mixed": config.num_texts // 2}[config.requests]
+    built_in = chat_requests(config.num_texts - sampled)
+    written = sampled_requests(engine, sampled, config.seed, progress=progress) if sampled else []
+    if sampled and not written:
+        raise ValueError("the target wrote no request that ended its turn within "
+                         f"{MAX_REQUEST_TOKENS} tokens: train on built-in requests (--requests builtin)")
+    # Interleaved, so that a prefix of the list (and every epoch's shuffled minibatches) holds both kinds.
+    mixed = [r for pair in itertools.zip_longest(built_in, written) for r in pair if r is not None]
+    parts = [f"{len(built_in)} built-in"] * bool(built_in) + [f"{len(written)} target-written"] * bool(written)
+    return mixed, " and ".join(parts) + " chat requests"
 
 
 def chat_answers(engine, requests: list[str], max_tokens: int, progress: bool = True
@@ -244,7 +263,7 @@ def chat_answers(engine, requests: list[str], max_tokens: int, progress: bool = 
         raise ValueError(f"the engine's tokenizer ({engine.engine_dir}) has no chat template: train with chat off")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}])[: max_tokens - 1] for t in requests]
     prompts = [p for p in prompts if p]
-    answers = self_generate(engine, prompts, max_tokens, _eos_ids(engine.engine_dir), progress)
+    answers = self_generate(engine, prompts, max_tokens, tokenizer_eos_ids(engine.engine_dir), progress)
     return answers, [len(p) - 1 for p in prompts]
 
 
@@ -395,53 +414,3 @@ def head_agreement(heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[to
     agreement = [round(int(h) / c, 4) if c else 0.0 for h, c in zip(hits.tolist(), counts)]
     return Agreement(agreement, counts, round(int(accepted) / chains, 4) if chains else 0.0,
                      round(walk_accepted / rounds, 4) if rounds else 0.0)
-
-
-@torch.inference_mode()
-def self_generate(
-    engine, prompts: list[list[int]], max_tokens: int, eos_ids: set[int], progress: bool = True
-) -> list[list[int]]:
-    """Each prompt and the target's greedy continuation: ``max_tokens`` in all, or up to an end-of-sequence token.
-
-    Prompts run in batches in a private KV cache (one block run per prompt):
-    a context forward, then one single-token row per unfinished prompt per step.
-    """
-    config, tokens_per_block = engine.model_config, engine.tokens_per_block
-    layout = KVCacheLayout(
-        config.num_layers, config.num_kv_heads, config.head_dim, tokens_per_block, engine.layout.dtype
-    )
-    blocks_per_seq = -(-max_tokens // tokens_per_block)
-    group = max(1, min(len(prompts), GENERATE_CACHE_BYTES // (blocks_per_seq * layout.bytes_per_block)))
-    kv_cache = layout.allocate(group * blocks_per_seq, engine.device)
-    tables = [list(range(j * blocks_per_seq, (j + 1) * blocks_per_seq)) for j in range(group)]
-    seqs_all = [list(p[: max_tokens - 1]) for p in prompts]  # room for at least one generated token
-    to_generate = sum(max_tokens - len(s) for s in seqs_all)
-    bar = tqdm(total=to_generate, desc="self-generating", unit="tok", disable=not progress)
-    for first in range(0, len(seqs_all), group):
-        seqs = seqs_all[first : first + group]  # the same lists: appending grows seqs_all
-        # First step: each prompt as one context query; its last position gives the first token.
-        segments = [Segment(tables[j], 0, len(s), as_rows=False) for j, s in enumerate(seqs)]
-        tokens = [t for s in seqs for t in s]
-        last_rows = [end - 1 for end in itertools.accumulate(len(s) for s in seqs)]
-        active = list(range(len(seqs)))
-        while active:
-            logits, _ = run_packed(engine.model, kv_cache, None, pack(segments, tokens_per_block), tokens, last_rows)
-            for j, token in zip(active, logits.argmax(-1).tolist()):
-                seqs[j].append(token)
-            done = [j for j in active if seqs[j][-1] in eos_ids or len(seqs[j]) >= max_tokens]
-            bar.update(len(active) + sum(max_tokens - len(seqs[j]) for j in done))
-            active = [j for j in active if j not in done]
-            # Later steps: one single-token row per unfinished text, feeding its newest token.
-            segments = [Segment(tables[j], len(seqs[j]) - 1, 1, as_rows=True) for j in active]
-            tokens = [seqs[j][-1] for j in active]
-            last_rows = list(range(len(active)))
-    bar.close()
-    return seqs_all  # each grown in place by its batch
-
-
-def _eos_ids(engine_dir: Path) -> set[int]:
-    """End-of-sequence ids of the engine's tokenizer (where a self-generated text stops)."""
-    from transformers import AutoTokenizer  # heavy; only self-generation needs it here
-
-    tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
-    return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
