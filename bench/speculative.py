@@ -215,6 +215,13 @@ def run_generate(args) -> dict:
     build = BuildConfig(max_batch_size=max_batch, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
                         tokens_per_block=args.tokens_per_block, dtype=args.dtype)
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
+    if args.more_train_draft_args and not args.train_heads:
+        raise SystemExit("--more-train-draft-args trains heads beside --train-heads' own: pass --train-heads too")
+    for mode in args.modes:  # before any training: a mode naming a set that will not exist fails at once
+        heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
+        if heads_set > len(args.more_train_draft_args):
+            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} "
+                             f"(sets 0 to {len(args.more_train_draft_args)}: --more-train-draft-args trains sets 1, 2, ...)")
     # Set 0 of draft heads is the engine's own; sets 1, 2, ... (--more-train-draft-args) live in folders of their
     # own, served by modes with the setting headsN.
     heads_dirs: dict[int, Path] = {0: engine_dir}
@@ -231,12 +238,6 @@ def run_generate(args) -> dict:
             if inflight_main(["train-draft", str(engine_dir), "--device", device, *output, *shlex.split(extra)]):
                 raise SystemExit(f"training draft heads (set {i}) failed")
             train_seconds[i] = time.perf_counter() - started
-    elif args.more_train_draft_args:
-        raise SystemExit("--more-train-draft-args trains heads beside --train-heads' own: pass --train-heads too")
-    for mode in args.modes:
-        heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
-        if heads_set not in heads_dirs:
-            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} (sets: {sorted(heads_dirs)})")
     base = load_engine(engine_dir, RuntimeConfig(device=args.device, kv_cache_fraction=args.kv_cache_fraction))
     tokenizer = Tokenizer(engine_dir)
     prompts = {"grounded": GROUNDED, "chat": CHAT}[args.prompts][: args.num_prompts or None]

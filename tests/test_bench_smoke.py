@@ -277,3 +277,40 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
     bad = subprocess.run([*cmd[:-2], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=190)
     assert bad.returncode != 0 and "unknown setting 'q3'" in bad.stderr
+
+
+def test_speculative_generate_serves_several_trained_head_sets_in_one_run(tmp_path: Path, model_dir: Path) -> None:
+    """--more-train-draft-args trains heads into folders of their own beside the engine's, and a mode's headsN
+    serves set N, all against the same plain decoding (a two-layer random-weight engine, the real tokenizer)."""
+    from executor_svc.build_config import BuildConfig
+    from executor_svc.builder import build_engine
+    from tests.conftest import tiny_llama_config
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    (folder / "config.json").write_text(json.dumps(tiny_llama_config(vocab, 512)))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((model_dir / name).read_bytes())
+    build = BuildConfig(max_batch_size=8, max_num_tokens=512, max_seq_len=256, tokens_per_block=16, dtype="float32")
+    build_engine(folder, folder / "engine", build, device="cpu", load_format="dummy", progress=False)
+    train = "--num-heads 2 --max-tokens-per-text 48 --epochs 1 --num-eval-texts 1"
+    out = tmp_path / "heads.json"
+    cmd = [
+        sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--engine-dir", str(folder / "engine"),
+        "--device", "cpu", "--prompts", "chat", "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1",
+        "--modes", "none,draft_heads,draft_heads:heads1", "--train-heads", "--train-draft-args", f"{train} --num-texts 2",
+        "--more-train-draft-args", f"{train} --num-texts 3", "--output", str(out),
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert list(result["modes"]) == ["none", "draft_heads", "draft_heads:heads1"]
+    assert result["draft_heads"]["training"]["num_texts"] == 2 and result["draft_heads1"]["training"]["num_texts"] == 3
+    for mode in result["modes"].values():
+        assert mode["batch1"]["output_tokens"] > 0 and mode["batch1"]["same_tokens_as_none"]
+
+    bad = subprocess.run([*cmd[:-2], "--modes", "none,draft_heads:heads2", "--output", str(tmp_path / "bad.json")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "no draft heads set 2" in bad.stderr

@@ -62,6 +62,7 @@ def self_generate(
     Prompts run in batches in a private KV cache (one block run per prompt):
     a context forward, then one single-token row per unfinished prompt per step.
     """
+    check_vocabulary(engine, prompts)
     config, tokens_per_block = engine.model_config, engine.tokens_per_block
     layout = KVCacheLayout(
         config.num_layers, config.num_kv_heads, config.head_dim, tokens_per_block, engine.layout.dtype
@@ -94,6 +95,16 @@ def self_generate(
             last_rows = list(range(len(active)))
     bar.close()
     return seqs_all  # each grown in place by its batch
+
+
+def check_vocabulary(engine, token_lists: list[list[int]]) -> None:
+    """Raise ValueError where the tokenizer made ids the engine's embedding has no row for (a random-weight shape
+    built with a smaller vocabulary than its tokenizer's)."""
+    largest = max((max(ids) for ids in token_lists if ids), default=-1)
+    vocab = engine.model_config.vocab_size
+    if largest >= vocab:
+        raise ValueError(f"the tokenizer makes ids up to {largest}, but the engine's vocabulary holds {vocab}: "
+                         "train heads for a model whose vocabulary covers its tokenizer")
 
 
 def tokenizer_eos_ids(engine_dir: Path) -> set[int]:

@@ -62,7 +62,7 @@ from executor_svc.quantization.corpus import calibration_texts, encode_texts, he
 from executor_svc.quantization.forward import PromptForward
 from executor_svc.speculative.chat_prompts import MAX_REQUEST_TOKENS, chat_requests, sampled_requests
 from executor_svc.speculative.draft_heads import HEAD_KINDS, AnyDraftHeads, make_heads
-from executor_svc.speculative.self_generation import self_generate, tokenizer_eos_ids
+from executor_svc.speculative.self_generation import check_vocabulary, self_generate, tokenizer_eos_ids
 
 # Where chat requests come from when no file is given: the built-in templated ones (``chat_requests``), ones the
 # target writes itself (``sampled_requests``), or half each.
@@ -231,6 +231,7 @@ def training_texts(engine, config: DistillConfig, max_tokens: int, progress: boo
     eval_lists = encode_texts(engine.engine_dir, eval_texts, max_tokens)
     if not token_lists or not eval_lists:
         raise ValueError(f"no texts of two or more tokens to train on ({data}) or to evaluate on ({eval_data})")
+    check_vocabulary(engine, token_lists + eval_lists)
     if config.self_generate:
         prompts = [ids[: max(1, min(config.prompt_tokens, len(ids) - 1))] for ids in token_lists]
         token_lists = self_generate(engine, prompts, max_tokens, tokenizer_eos_ids(engine.engine_dir), progress)
