@@ -107,9 +107,10 @@ CHAT = [
 # tokens occurred earlier in its own tokens (``--heads-lookup``). ``fused0``: a recurrent head's chain in torch's
 # kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
 # ``heads1``: draft with the first set of heads trained by --more-train-draft-args, beside --train-heads' own.
+# ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
                   "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels",
-                  "heads": "heads_set"}
+                  "heads": "heads_set", "adaptive": "adaptive_draft_length"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -276,7 +277,8 @@ def run_generate(args) -> dict:
 
                 graphs_with_masks["tree"] = capture_graphs(base, tree_masks=True)
             engine.decode_graphs = graphs_with_masks["tree"]
-        limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=not args.fixed_draft_length,
+        adaptive = bool(getattr(_mode_settings(mode, args)[1], "adaptive_draft_length", not args.fixed_draft_length))
+        limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=adaptive,
                               overlap_scheduling=mode != "none_serial")
         executor = InProcessExecutor(engine)
         async_engine = AsyncEngine(executor, tokenizer, limits)
@@ -327,7 +329,7 @@ def run_generate(args) -> dict:
             policy = async_engine.scheduler.draft_policy
             out["batch1"]["step_cost_points"] = {
                 "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
-                "executor": policy.executor_costs.points(),
+                "executor": policy.executor_costs.points(), "chained_per_round": policy.chained_costs.points(),
             }
             log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
             for batch in [b for b in args.batch_sizes if b > 1]:
@@ -355,7 +357,7 @@ def run_generate(args) -> dict:
                 policy = async_engine.scheduler.draft_policy
                 run["step_cost_points"] = {
                     "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
-                    "executor": policy.executor_costs.points(),
+                    "executor": policy.executor_costs.points(), "chained_per_round": policy.chained_costs.points(),
                 }
                 run["acceptance_by_position"] = _rates(run.pop("drafts_by_position"), run.pop("accepted_by_position"))
                 out[f"batch{batch}"] = run

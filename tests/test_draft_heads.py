@@ -122,7 +122,7 @@ def test_walk_accepts_what_serving_rounds_would(engine, recurrent_trained, held_
             position = 0
             while position < hidden.shape[0] - k:  # rounds whose k drafts all lie inside the text
                 drafts = head.propose(hidden[position : position + 1], engine.model, k,
-                                      torch.tensor(greedy[position : position + 1]))[0].tolist()
+                                      torch.tensor(greedy[position : position + 1], device=hidden.device))[0].tolist()
                 run = 0
                 while run < k and drafts[run] == greedy[position + 1 + run]:
                     run += 1
