@@ -58,7 +58,7 @@ from kvcache.manager import KVCacheManager
 from protos.plan import BlockCopy, CachedRequest, NewRequest, RequestOutput, StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.scheduler_config import CapacityPolicy, SchedulerConfig
-from scheduler_svc.speculation import TRIAL_ROUNDS, Candidate, DraftLengthPolicy, DraftStats
+from scheduler_svc.speculation import Candidate, DraftLengthPolicy, DraftStats, trial_rounds
 from scheduler_svc.waiting_queue import WaitingQueue
 
 __all__ = ["CapacityPolicy", "RequestUpdate", "Scheduler", "SchedulerConfig"]
@@ -289,7 +289,8 @@ class Scheduler:
                 # Chained rounds verify K drafts for every request: the device looks up what the host did not.
                 num_drafts = chain_limit if chainable else len(drafts)
                 acceptance = request.acceptance
-                candidates.append(Candidate(request.request_id, num_drafts, acceptance.rate, acceptance.continuation))
+                candidates.append(Candidate(request.request_id, num_drafts, acceptance.rate, acceptance.continuation,
+                                            acceptance.position_rates(num_drafts)))
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
@@ -306,8 +307,8 @@ class Scheduler:
         """Verification rounds for this step: more than one only when the step may chain them
         (``_chain_draft_limit``; a request without drafts of its own starts from padding, and the device looks up
         its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
-        at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
-        which then costs two rounds if wrong, not every round."""
+        at most ``trial_rounds`` when the draft length is the policy's trial (priced by a guess, or a probe),
+        which then costs half a step if wrong, not all of it."""
         cfg = self.config
         policy = self.draft_policy
         if not chainable or draft_length <= 0 or policy.verify_limit is not None:
@@ -315,7 +316,7 @@ class Scheduler:
         rows = cfg.round_rows(draft_length)
         rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
         if policy.trial:
-            rounds = min(rounds, TRIAL_ROUNDS)
+            rounds = min(rounds, trial_rounds(cfg.max_speculative_rounds))
         for request in order:
             # What the rounds may write must fit what the request may still hold (``rounds_kv_span``).
             room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
@@ -491,7 +492,7 @@ class Scheduler:
         for accepted, guesses in zip(per_round, drafted):
             # Statistics count real guesses only: a padded draft that happened to match is no acceptance.
             accepted = min(accepted, guesses)
-            request.acceptance.observe(guesses, accepted)
+            request.acceptance.observe(guesses, accepted, k)
             request.num_draft_tokens += guesses
             request.num_accepted_draft_tokens += accepted
             stats.num_draft_tokens += guesses
@@ -522,7 +523,7 @@ class Scheduler:
             if rounds > 1:  # of the rounds that ran (all requests finished may end a step early)
                 rounds = min(rounds, max((len(o.round_accepted) for o in result.outputs), default=0)) or rounds
             self.draft_policy.observe(tokens, seconds / rounds, overlapped, result.step_us / 1e6 / rounds,
-                                      plain=not verified, chained=rounds > 1)
+                                      plain=not verified, chained=rounds > 1, rounds=rounds)
         requests = self.requests
         for request_id in self._sampling.pop(result.step_id, ()):
             request = requests.get(request_id)

@@ -76,8 +76,23 @@ verification step of the same size. Their per-round cost is learned apart
 (``chained_costs``) and prices K > 0 whenever the step may chain; a K that
 is a guess (no cost of its kind measured yet, a chain longer than any
 measured one, whose price is extrapolated, or a probe) is a ``trial``,
-which the scheduler chains over only ``TRIAL_ROUNDS`` rounds: enough to
-measure a chained round, and a wrong guess costs two rounds, not eight.
+which the scheduler chains over half the rounds it would (``trial_rounds``):
+enough to measure a chained round at nearly the share of host work a full
+chain carries (a step's host work is spread over its rounds, and each
+size's price counts only steps of at least half its longest recent chain,
+``StepCosts.points``), and a wrong guess costs half a step.
+
+A request's expected accepted drafts at K come from its record at each
+draft position: of the verifications that reached position j (every draft
+before it accepted, and a slot for it), how many accepted it, drawn toward
+the pooled continuation when a position is seldom reached. Drafts of mixed
+origin are not alike by position: with draft heads and prompt lookup on
+SmolLM2's chat answers, the heads' four drafts were accepted at 44%, 25%,
+19% and 19% of the times they were verified, and the lookup's drafts past
+them at 58-80% (``h100_spec_heads_lookup_policy_rounds_smollm2.json``). One
+continuation fitted to all of them rated the drafts past the fourth too low,
+and always verifying eight gave 2.22 tokens a round against the policy's
+2.02 and 1.54x plain decoding against 1.47x.
 """
 
 from __future__ import annotations
@@ -92,9 +107,10 @@ log = logging.getLogger("inflight.scheduler")
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
+POSITION_PRIOR_WEIGHT = 0.5  # observations a later draft position's prior is worth (``Acceptance.position_rates``)
 RECENT = 8  # measurements each step-size bucket keeps
 TRUSTED = 3  # measurements after which a bucket counts (its median)
-TRIAL_ROUNDS = 2  # chained rounds of a trial K (see the module docstring)
+TRIAL_ROUNDS = 2  # fewest chained rounds of a trial K (see the module docstring and ``trial_rounds``)
 PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
@@ -113,12 +129,17 @@ class DraftStats:
 
 @dataclass(slots=True)
 class Acceptance:
-    """A request's acceptance of its first draft and of a draft after an accepted one, as decayed counts."""
+    """A request's acceptance of its first draft and of a draft after an accepted one, as decayed counts, and of
+    each draft position apart (``position_rates``)."""
 
     first_accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     first_rejected: float = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
     later_accepted: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     later_rejected: float = (1.0 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+    # Per position j past the first: of the verifications that reached it (a slot for it, every draft before it
+    # accepted), the decayed count that accepted it, and the decayed count that reached it.
+    reached_accepted: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
 
     @property
     def rate(self) -> float:
@@ -130,8 +151,9 @@ class Acceptance:
         """How often a draft is accepted when the one before it was."""
         return self.later_accepted / (self.later_accepted + self.later_rejected)
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """A verification of ``num_drafts`` drafts accepted the first ``num_accepted``."""
+    def observe(self, num_drafts: int, num_accepted: int, num_slots: int | None = None) -> None:
+        """A verification of ``num_drafts`` drafts accepted the first ``num_accepted``; ``num_slots`` (at least
+        ``num_drafts``): the positions it verified, the ones past the drafts padding that no guess filled."""
         if num_drafts <= 0:
             return
         self.first_accepted = self.first_accepted * DECAY + (num_accepted > 0)
@@ -140,13 +162,51 @@ class Acceptance:
         # then one rejection, unless every draft was accepted (or the first already failed).
         self.later_accepted = self.later_accepted * DECAY + max(num_accepted - 1, 0)
         self.later_rejected = self.later_rejected * DECAY + (0 < num_accepted < num_drafts)
+        # Each later position that this verification reached: accepted, or the one where it stopped (a padded
+        # slot counts as rejected: a longer K verifies it whether or not a guess fills it).
+        slots = max(num_slots or num_drafts, num_drafts)
+        reached_up_to = min(num_accepted + 1, slots)  # positions 1 .. reached_up_to (1-based)
+        if len(self.reached) < reached_up_to - 1:
+            grow = reached_up_to - 1 - len(self.reached)
+            self.reached.extend([0.0] * grow)
+            self.reached_accepted.extend([0.0] * grow)
+        for j in range(1, reached_up_to):  # 0-based index j - 1 holds position j + 1
+            self.reached[j - 1] = self.reached[j - 1] * DECAY + 1.0
+            self.reached_accepted[j - 1] = self.reached_accepted[j - 1] * DECAY + (num_accepted > j)
+
+    def position_rates(self, k: int) -> list[float]:
+        """Chance of accepting draft j (j = 1..k) when every draft before it was accepted: the first draft's
+        rate, then each later position's own record, drawn by POSITION_PRIOR_WEIGHT observations toward the
+        position before it (the second toward the pooled ``continuation``): a position seldom or never reached
+        goes on as the chain before it did."""
+        rates = [self.rate]
+        prior = self.continuation
+        for j in range(1, k):
+            seen, hits = (self.reached[j - 1], self.reached_accepted[j - 1]) if j - 1 < len(self.reached) else (0.0, 0.0)
+            rates.append((hits + POSITION_PRIOR_WEIGHT * prior) / (seen + POSITION_PRIOR_WEIGHT))
+            prior = rates[-1]
+        return rates
 
 
-def expected_accepted(rate: float, k: int, continuation: float | None = None) -> float:
+def expected_accepted(rate: float, k: int, continuation: float | None = None,
+                      position_rates: list[float] | None = None) -> float:
     """Expected accepted drafts of a chain of k: the first accepted with ``rate``, each later one with
-    ``continuation`` given the one before (``rate`` again when None: every draft alike)."""
+    ``continuation`` given the one before (``rate`` again when None: every draft alike); or, given
+    ``position_rates``, draft j with its own conditional chance (``Acceptance.position_rates``)."""
+    if position_rates is not None:
+        total, chain = 0.0, 1.0
+        for j in range(k):
+            chain *= position_rates[min(j, len(position_rates) - 1)]
+            total += chain
+        return total
     later = rate if continuation is None else continuation
     return rate * sum(later**j for j in range(k))
+
+
+def trial_rounds(max_rounds: int) -> int:
+    """Chained rounds of a trial K in a step that may chain ``max_rounds``: half, so that the step's host work
+    weighs on its per-round cost about as on a full chain's (``StepCosts.points`` keeps such steps)."""
+    return max(TRIAL_ROUNDS, max_rounds // 2)
 
 
 def _bucket(num_tokens: int) -> int:
@@ -157,15 +217,25 @@ def _bucket(num_tokens: int) -> int:
 class StepCosts:
     """Measured seconds of a generation step by the tokens in it (see the module docstring)."""
 
-    recent: dict[int, deque] = field(default_factory=dict)  # bucket -> last (tokens, seconds)
+    recent: dict[int, deque] = field(default_factory=dict)  # bucket -> last (tokens, seconds, rounds)
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds))
+    def observe(self, num_tokens: int, seconds: float, rounds: int = 1) -> None:
+        """A step of ``num_tokens`` took ``seconds`` (per round, of ``rounds`` chained ones)."""
+        self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds, rounds))
 
     def points(self) -> list[tuple[int, float]]:
         """(tokens, seconds) per bucket with enough measurements: its median recent step.
-        While no bucket has enough, every bucket's fastest step."""
-        ranked = [sorted(window, key=lambda p: p[1]) for window in self.recent.values()]
+        While no bucket has enough, every bucket's fastest step.
+
+        A chained step's share per round carries its host work (planning, launching, reading the result back)
+        divided by its rounds, so a step of few rounds (a trial's two, a request's last step cut short by its
+        end) costs more per round than the full chains the choice is about: measured on an H100 with SmolLM2,
+        a 9-token round priced 1.35 ms from a mix of such steps against 1.01 from full ones. Each bucket
+        therefore counts its steps of at least half the most rounds it has seen recently."""
+        ranked = []
+        for window in self.recent.values():
+            most = max(rounds for _, _, rounds in window)
+            ranked.append(sorted(((t, sec) for t, sec, rounds in window if 2 * rounds >= most), key=lambda p: p[1]))
         trusted = [r[len(r) // 2] for r in ranked if len(r) >= TRUSTED]
         return sorted(trusted or [r[0] for r in ranked])
 
@@ -193,6 +263,7 @@ class Candidate:
     num_drafts: int  # drafts it has, already cut to what its limits allow
     rate: float  # how often its first draft is accepted
     continuation: float | None = None  # how often a draft after an accepted one is (None: ``rate``)
+    position_rates: list[float] | None = None  # each draft's chance given the ones before (overrides the two above)
 
 
 class DraftLengthPolicy:
@@ -204,7 +275,7 @@ class DraftLengthPolicy:
         self.max_step_tokens = max_step_tokens  # probes stay within it (0 = no limit)
         self.verify_limit: int | None = None  # this step's most requests that verify drafts (None = all)
         # This step's K is a trial (priced by a guess, or a probe of speculation that was off): the
-        # scheduler chains it over at most TRIAL_ROUNDS rounds, so a wrong guess costs few rounds.
+        # scheduler chains it over ``trial_rounds`` rounds, so a wrong guess costs half a step.
         self.trial = False
         self._last_tokens = 0  # tokens of the last generation step measured
         self.overlap_available = True  # whether the step loop overlaps steps when speculation is off
@@ -265,7 +336,8 @@ class DraftLengthPolicy:
             if seconds is None:  # nothing measured yet: speculate fully once and learn
                 best_k, self.trial = self.max_draft_tokens, True
                 break
-            gains = [1 + expected_accepted(c.rate, d, c.continuation) for c, d in zip(candidates, drafts)]
+            gains = [1 + expected_accepted(c.rate, d, c.continuation, c.position_rates)
+                     for c, d in zip(candidates, drafts)]
             if draining:  # the request that gains least; one without drafts gains one token a step
                 tokens = min(gains + [1.0] * bool(other_tokens))
             else:
@@ -290,12 +362,12 @@ class DraftLengthPolicy:
 
     def observe(
         self, num_tokens: int, wall_seconds: float, overlapped: bool, executor_seconds: float, plain: bool = True,
-        chained: bool = False,
+        chained: bool = False, rounds: int = 1,
     ) -> None:
         """A generation step of ``num_tokens`` tokens took ``wall_seconds`` as the step loop saw it;
-        ``plain``: it verified no drafts; ``chained``: it was one round's share of chained rounds."""
+        ``plain``: it verified no drafts; ``chained``: it was one round's share of ``rounds`` chained rounds."""
         if chained:
-            self.chained_costs.observe(num_tokens, wall_seconds)
+            self.chained_costs.observe(num_tokens, wall_seconds, rounds)
             self._last_tokens = num_tokens
             return
         (self.overlapped_costs if overlapped else self.costs).observe(num_tokens, wall_seconds)

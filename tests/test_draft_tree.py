@@ -79,10 +79,15 @@ def test_draft_tree_flag_is_checked_before_anything_loads():
 
     from inflight.serving import speculative_config_from_args
 
-    def config(speculative: str, tree: str, heads_lookup: int = 0):
+    def config(speculative: str, tree: str, heads_lookup: int = 0, draft_heads: str | None = None):
         args = argparse.Namespace(speculative=speculative, draft_tree=tree, num_draft_tokens=4, ngram_min=2,
-                                  ngram_max=4, speculative_rounds=8, draft_model=None, heads_lookup=heads_lookup)
+                                  ngram_max=4, speculative_rounds=8, draft_model=None, heads_lookup=heads_lookup,
+                                  draft_heads=draft_heads)
         return speculative_config_from_args(args)
+
+    assert str(config("draft_heads", "chain", draft_heads="heads").draft_heads_dir) == "heads"
+    with pytest.raises(SystemExit, match="a draft heads folder needs speculative mode draft_heads"):
+        config("ngram", "chain", draft_heads="heads")
 
     assert config("draft_heads", "default").draft_tree == DEFAULT_TREE
     assert config("ngram", "chain").draft_tree is None

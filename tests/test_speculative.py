@@ -406,16 +406,15 @@ def test_chained_rounds_need_no_drafts_from_the_host():
 
 
 def test_trial_draft_lengths_chain_few_rounds_and_chained_costs_price_chains():
-    """The adaptive policy's guesses (no chained round measured yet, a probe) chain only TRIAL_ROUNDS rounds;
+    """The adaptive policy's guesses (no chained round measured yet, a probe) chain half the rounds;
     chained steps are priced by their own per-round cost, not by single verification steps."""
-    from scheduler_svc.speculation import TRIAL_ROUNDS
 
     s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8)
     s.add_request(make_request("a", 6, max_tokens=200))
     plan = s.schedule()
     s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3])]))
     cached = s.schedule().cached_requests[0]
-    assert s.draft_policy.trial and (cached.num_rounds, cached.num_scheduled_tokens) == (TRIAL_ROUNDS, 8)
+    assert s.draft_policy.trial and (cached.num_rounds, cached.num_scheduled_tokens) == (4, 16)
     policy = DraftLengthPolicy(max_draft_tokens=3)
     for _ in range(4):  # plain steps overlap at 1 ms; a single verification step, serial, costs 3 ms
         policy.observe(1, 0.001, overlapped=True, executor_seconds=0.0)
@@ -902,3 +901,76 @@ def test_where_a_longer_draft_costs_no_more_runs_of_acceptance_choose_it():
     bursty = policy.choose([Candidate("a", 15, 0.5, 0.95)], 0, chainable=True)
     alike = policy.choose([Candidate("a", 15, 0.5)], 0, chainable=True)
     assert bursty == 15 and alike < 8
+
+
+def test_acceptance_by_position_sees_drafts_of_two_kinds():
+    """Draft heads' four guesses, then a lookup's copied run past them where a copy is found: the record of each
+    position tells them apart, where one continuation fitted to all drafts rates the copy too low."""
+    from scheduler_svc.speculation import Acceptance
+
+    mixed = Acceptance()
+    for i in range(200):  # eight slots a round; the heads' guesses stand to the fourth one round in four
+        if i % 4 == 0:
+            mixed.observe(8, 8, 8)  # ... and then a copy found, all eight stand
+        elif i % 4 == 1:
+            mixed.observe(4, 4, 8)  # ... no copy: the slots past four are padding, and the fifth is rejected
+        else:
+            mixed.observe(4, 0, 8)
+    rates = mixed.position_rates(8)  # decayed counts: the latest verifications weigh most
+    assert rates[0] == pytest.approx(0.5, abs=0.1)
+    assert min(rates[1:4]) > 0.95  # once the first stands, so do the heads' others
+    assert rates[4] == pytest.approx(0.5, abs=0.1)  # half the rounds that reach the fifth find a copy
+    assert min(rates[5:]) > 0.95
+    # The truth: each round accepts 8, 4, 0 or 0, so 3 a round at K = 8 and 2 at K = 4.
+    by_position = expected_accepted(0, 8, position_rates=rates) - expected_accepted(0, 4, position_rates=rates)
+    assert expected_accepted(0, 4, position_rates=rates) == pytest.approx(2.0, abs=0.25)
+    assert by_position == pytest.approx(1.0, abs=0.2)
+    pooled = expected_accepted(mixed.rate, 8, mixed.continuation) - expected_accepted(mixed.rate, 4, mixed.continuation)
+    assert pooled > 1.5  # one continuation of about 1 (every later draft stood) counts eight for every copy
+    fresh = Acceptance()  # nothing observed: every position is the prior
+    assert fresh.position_rates(3) == pytest.approx([0.6, 0.6, 0.6])
+    padded = Acceptance()  # the heads' four, never anything past them: the chain ends at the fourth
+    for i in range(100):
+        padded.observe(4, 4 if i % 2 else 0, 8)
+    assert padded.position_rates(8)[4] < 0.1 and max(padded.position_rates(8)[5:]) < 0.1
+
+
+def test_acceptance_by_position_chooses_the_chain_length_that_pays():
+    """Rounds of 9 rows cost 5% more than rounds of 5. Where copies follow the heads' four guesses, eight drafts
+    pay; where nothing does (the slots past four are padding), four do. The pooled continuation never sees a padded
+    slot rejected (only real guesses count), so it takes eight in both."""
+    from scheduler_svc.speculation import Acceptance
+
+    policy = DraftLengthPolicy(max_draft_tokens=8)
+    policy.overlap_available = False
+    for _ in range(4):
+        policy.observe(1, 0.0010, overlapped=False, executor_seconds=0.0)
+        policy.observe(5, 0.00100, overlapped=False, executor_seconds=0.0, plain=False, chained=True, rounds=16)
+        policy.observe(9, 0.00105, overlapped=False, executor_seconds=0.0, plain=False, chained=True, rounds=16)
+    policy._steps = 1
+    chosen = {}
+    for name, pattern in {"copies": ((8, 8, 8), (4, 4, 8), (4, 0, 8), (4, 0, 8)),
+                          "heads alone": ((4, 4, 8), (4, 4, 8), (4, 0, 8), (4, 0, 8))}.items():
+        record = Acceptance()
+        for i in range(100):
+            record.observe(*pattern[i % 4])
+        by_position = Candidate("a", 8, record.rate, record.continuation, record.position_rates(8))
+        pooled = Candidate("a", 8, record.rate, record.continuation)
+        chosen[name] = (policy.choose([by_position], 0, chainable=True), policy.choose([pooled], 0, chainable=True))
+    assert chosen == {"copies": (8, 8), "heads alone": (4, 8)}
+
+
+def test_chained_costs_count_steps_of_nearly_the_longest_chains():
+    """A chained step's host work is spread over its rounds: a trial's two rounds or a request's last step cut
+    short price a round above what full chains cost, and the bucket's price comes from the long ones."""
+    from scheduler_svc.speculation import StepCosts, trial_rounds
+
+    costs = StepCosts()
+    for _ in range(3):
+        costs.observe(9, 0.00145, rounds=2)  # 0.9 ms of host work over two rounds of 1 ms
+    assert costs.points() == [(9, 0.00145)]  # all it knows
+    for _ in range(3):
+        costs.observe(9, 0.00106, rounds=16)
+        costs.observe(9, 0.00111, rounds=8)
+    assert costs.points() == [(9, 0.00111)]  # the (upper) median of the six steps of 8 or 16 rounds
+    assert trial_rounds(16) == 8 and trial_rounds(8) == 4 and trial_rounds(3) == 2
