@@ -85,14 +85,15 @@ size's price counts only steps of at least half its longest recent chain,
 A request's expected accepted drafts at K come from its record at each
 draft position: of the verifications that reached position j (every draft
 before it accepted, and a slot for it), how many accepted it, drawn toward
-the pooled continuation when a position is seldom reached. Drafts of mixed
+the position before it when a position is seldom reached. Drafts of mixed
 origin are not alike by position: with draft heads and prompt lookup on
 SmolLM2's chat answers, the heads' four drafts were accepted at 44%, 25%,
 19% and 19% of the times they were verified, and the lookup's drafts past
-them at 58-80% (``h100_spec_heads_lookup_policy_rounds_smollm2.json``). One
-continuation fitted to all of them rated the drafts past the fourth too low,
-and always verifying eight gave 2.22 tokens a round against the policy's
-2.02 and 1.54x plain decoding against 1.47x.
+them at 58-80% (``h100_spec_heads_lookup_policy_rounds_smollm2.json``); and
+where no lookup matches, the slots past the heads' four are padding, which a
+longer K verifies for nothing. The first draft's rate and one continuation
+for the rest (what the policy used before) cannot tell those apart, and a
+padded slot never counted as a rejection there.
 """
 
 from __future__ import annotations
