@@ -143,6 +143,30 @@ def _mode_config(name: str, args):
                              heads_lookup=getattr(args, "heads_lookup", 0))
 
 
+TRACE_LIMIT = 4000  # policy events kept per mode (--trace-policy)
+
+
+def _trace_policy(policy) -> list[dict]:
+    """Record every choice and every step cost the draft-length policy sees, in order (``--trace-policy``)."""
+    events: list[dict] = []
+    choose, observe = policy.choose, policy.observe
+
+    def traced_choose(candidates, other_tokens, draining=False, chainable=False, asked=False):
+        k = choose(candidates, other_tokens, draining=draining, chainable=chainable, asked=asked)
+        events.append({"at": time.perf_counter(), "choose": k, "trial": policy.trial, "chainable": chainable,
+                       "candidates": [[c.num_drafts, round(c.rate, 3),
+                                       [round(r, 3) for r in c.position_rates or []]] for c in candidates]})
+        return k
+
+    def traced_observe(num_tokens, wall_seconds, overlapped, executor_seconds, plain=True, chained=False, rounds=1):
+        events.append({"at": time.perf_counter(), "tokens": num_tokens, "seconds": wall_seconds, "rounds": rounds,
+                       "chained": chained, "plain": plain, "overlapped": overlapped, "executor": executor_seconds})
+        observe(num_tokens, wall_seconds, overlapped, executor_seconds, plain=plain, chained=chained, rounds=rounds)
+
+    policy.choose, policy.observe = traced_choose, traced_observe
+    return events
+
+
 async def _run(async_engine, requests, desc: str) -> dict:
     """Submit ``requests`` (all at once); output tokens/s and speculation counts."""
     choices_before = dict(async_engine.scheduler.draft_policy.choices)
@@ -284,6 +308,7 @@ def run_generate(args) -> dict:
         async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
         settle_garbage_collector()  # as the LLM API and the services do once loaded
+        trace = _trace_policy(async_engine.scheduler.draft_policy) if args.trace_policy else None
         out: dict = {}
         try:
             warm = [GenerationRequest(token_ids=texts[0], max_tokens=16, temperature=0.0)]
@@ -326,6 +351,8 @@ def run_generate(args) -> dict:
                 for k, n in r["draft_length_choices"].items():
                     choices[k] = choices.get(k, 0) + n
             out["batch1"]["draft_length_choices"] = choices
+            if trace is not None:
+                out["batch1"]["policy_trace"] = trace[:TRACE_LIMIT]
             policy = async_engine.scheduler.draft_policy
             out["batch1"]["step_cost_points"] = {
                 "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
@@ -570,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="with --train-heads: train another set of heads with these arguments, in a folder of its "
                           "own; a mode with the setting headsN serves the N-th such set (repeatable)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
+    gen.add_argument("--trace-policy", action="store_true",
+                     help="batch 1: record every draft length the policy chose and every step cost it learned from")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
     cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")
     cost.add_argument("--draft-shape", default="llama-3.2-1b", help="draft: a known shape or checkpoint; none = verify only")
