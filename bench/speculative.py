@@ -245,8 +245,8 @@ def run_generate(args) -> dict:
     for mode in args.modes:  # before any training: a mode naming a set that will not exist fails at once
         heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
         if heads_set > len(args.more_train_draft_args):
-            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} "
-                             f"(sets 0 to {len(args.more_train_draft_args)}: --more-train-draft-args trains sets 1, 2, ...)")
+            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} (sets 0 to "
+                             f"{len(args.more_train_draft_args)}: --more-train-draft-args trains sets 1, 2, ...)")
     # Set 0 of draft heads is the engine's own; sets 1, 2, ... (--more-train-draft-args) live in folders of their
     # own, served by modes with the setting headsN.
     heads_dirs: dict[int, Path] = {0: engine_dir}
@@ -280,7 +280,8 @@ def run_generate(args) -> dict:
         from executor_svc.speculative.draft_heads import read_heads_meta
 
         for i, folder in heads_dirs.items():
-            report["draft_heads" + (str(i) if i else "")] = {"train_seconds": train_seconds[i], **read_heads_meta(folder)}
+            key = "draft_heads" + (str(i) if i else "")
+            report[key] = {"train_seconds": train_seconds[i], **read_heads_meta(folder)}
 
     graphs_with_masks: dict = {}
 

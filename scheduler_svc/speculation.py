@@ -183,7 +183,8 @@ class Acceptance:
         rates = [self.rate]
         prior = self.continuation
         for j in range(1, k):
-            seen, hits = (self.reached[j - 1], self.reached_accepted[j - 1]) if j - 1 < len(self.reached) else (0.0, 0.0)
+            known = j - 1 < len(self.reached)
+            seen, hits = (self.reached[j - 1], self.reached_accepted[j - 1]) if known else (0.0, 0.0)
             rates.append((hits + POSITION_PRIOR_WEIGHT * prior) / (seen + POSITION_PRIOR_WEIGHT))
             prior = rates[-1]
         return rates

@@ -299,7 +299,8 @@ def test_speculative_generate_serves_several_trained_head_sets_in_one_run(tmp_pa
     cmd = [
         sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--engine-dir", str(folder / "engine"),
         "--device", "cpu", "--prompts", "chat", "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1",
-        "--modes", "none,draft_heads,draft_heads:heads1", "--train-heads", "--train-draft-args", f"{train} --num-texts 2",
+        "--modes", "none,draft_heads,draft_heads:heads1", "--train-heads",
+        "--train-draft-args", f"{train} --num-texts 2",
         "--more-train-draft-args", f"{train} --num-texts 3", "--output", str(out),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -99,7 +99,8 @@ def sampled_requests(engine, limit: int, seed: int = 0, temperature: float = 1.0
     stops = tokenizer_eos_ids(engine.engine_dir) | set(tail_ids[:1])  # the token that ends the user's turn
     max_tokens = len(prefix) + MAX_REQUEST_TOKENS
     if max_tokens > engine.max_seq_len:
-        raise ValueError(f"sampling requests needs {max_tokens} tokens of context, the engine holds {engine.max_seq_len}")
+        raise ValueError(f"sampling requests needs {max_tokens} tokens of context, "
+                         f"the engine holds {engine.max_seq_len}")
     sampling = Sampling(temperature, top_p, seed)
     requests: list[str] = []
     seen: set[str] = set()

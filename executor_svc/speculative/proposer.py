@@ -69,7 +69,8 @@ class SpeculativeConfig:
         if not 1 <= self.max_rounds <= 64:
             raise ValueError(f"max_rounds must be in [1, 64], got {self.max_rounds}")
         if self.draft_heads_dir is not None and self.mode is not SpeculativeMode.DRAFT_HEADS:
-            raise ValueError(f"a draft heads folder needs speculative mode draft_heads, not {self.mode.value or 'none'}")
+            raise ValueError("a draft heads folder needs speculative mode draft_heads, "
+                             f"not {self.mode.value or 'none'}")
         if self.heads_lookup:
             if self.mode is not SpeculativeMode.DRAFT_HEADS:
                 raise ValueError(f"heads_lookup needs speculative mode draft_heads, not {self.mode.value or 'none'}")
