@@ -233,7 +233,10 @@ class StepCosts:
         divided by its rounds, so a step of few rounds (a trial's two, a request's last step cut short by its
         end) costs more per round than the full chains the choice is about: measured on an H100 with SmolLM2,
         a 9-token round priced 1.35 ms from a mix of such steps against 1.01 from full ones. Each bucket
-        therefore counts its steps of at least half the most rounds it has seen recently."""
+        therefore counts its steps of at least half the most rounds it has seen recently. That is not enough
+        where a size's recent steps are nearly all short: a chain of eight drafts, chosen mostly near a
+        request's end, stayed priced at about 2 ms a round in a traced run
+        (``h100_spec_heads_lookup_policy_trace_smollm2.json``; the README's speculative section)."""
         ranked = []
         for window in self.recent.values():
             most = max(rounds for _, _, rounds in window)
