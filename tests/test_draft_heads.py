@@ -213,6 +213,9 @@ def test_chat_requests_mixed_from_both_sources_train_heads(engine):
     assert report.num_tokens > 0 and len(report.agreement_after) == 2
     with pytest.raises(ValueError, match="requests must be one of builtin, sampled, mixed"):
         DistillConfig(requests="web")
+    for elsewhere in ({"data": "requests.txt"}, {"chat": False}):
+        with pytest.raises(ValueError, match="it needs chat and no data"):
+            DistillConfig(requests="sampled", **elsewhere)
 
 
 def _cli(*argv: str) -> argparse.Namespace:

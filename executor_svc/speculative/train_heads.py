@@ -108,6 +108,9 @@ class DistillConfig:
             raise ValueError(f"kind must be one of {', '.join(HEAD_KINDS)}, got {self.kind!r}")
         if self.requests not in REQUEST_SOURCES:
             raise ValueError(f"requests must be one of {', '.join(REQUEST_SOURCES)}, got {self.requests!r}")
+        if self.requests != "builtin" and (self.data or not self.chat):
+            raise ValueError(f"requests={self.requests!r} chooses where chat requests come from when no data file "
+                             "is given: it needs chat and no data")
         if self.chat and not self.self_generate:
             raise ValueError("chat requests carry no answers to train on: chat needs self_generate")
         if self.intermediate_size < 0:
