@@ -293,7 +293,8 @@ def read_heads_meta(engine_dir: Path) -> dict:
 
 
 def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype: torch.dtype) -> AnyDraftHeads:
-    """The heads saved next to the engine, checked against ``model_config`` and cast to ``dtype`` on ``device``.
+    """The heads saved in ``engine_dir`` (the engine's folder, or one of their own), checked against
+    ``model_config`` and cast to ``dtype`` on ``device``.
 
     Raises FileNotFoundError when there are none, ValueError when they were
     trained for a model of another hidden size or vocabulary, or the file is
@@ -301,7 +302,8 @@ def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype
     """
     path = heads_path(engine_dir)
     if not path.is_file():
-        raise FileNotFoundError(f"no draft heads at {path}: train them with `inflight train-draft {engine_dir}`")
+        raise FileNotFoundError(f"no draft heads at {path}: train them with `inflight train-draft ENGINE_DIR`, "
+                                f"which saves them in the engine's folder, or with `--output {engine_dir}`")
     meta = read_heads_meta(engine_dir)
     kind = meta.get("kind", "medusa")  # format 1 had only Medusa heads
     tensors = load_file(str(path))
