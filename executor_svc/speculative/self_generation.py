@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from executor_svc.packed_forward import Segment, pack, run_packed
+from executor_svc.sampler import filtered_probs
 from kvcache.layout import KVCacheLayout
 
 GENERATE_CACHE_BYTES = 1 << 30  # KV cache of one self-generation batch
@@ -37,17 +38,12 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token id per row of ``logits`` ([rows, vocab])."""
+        """One token id per row of ``logits`` ([rows, vocab]), filtered as the serving sampler filters."""
         if self.generator is None:
             self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        if self.top_p < 1:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            # Keep the most likely tokens until their mass reaches top_p (the first token always stays).
-            outside = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
-            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-            picked = torch.multinomial(sorted_probs, 1, generator=self.generator)
-            return order.gather(-1, picked).squeeze(-1)
+        rows = logits.shape[0]
+        top_p = torch.full((rows,), self.top_p, device=logits.device) if self.top_p < 1 else None
+        probs = filtered_probs(logits, torch.full((rows,), self.temperature, device=logits.device), top_p=top_p)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
 
