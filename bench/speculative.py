@@ -289,11 +289,12 @@ def run_generate(args) -> dict:
         from executor_svc.speculative.draft_heads import RecurrentDraftHead
 
         spec = _mode_config(mode, args)
-        heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
+        settings = _mode_settings(mode, args)[1]
+        heads_set = getattr(settings, "heads_set", 0)
         if heads_set:
             spec = dataclasses.replace(spec, draft_heads_dir=heads_dirs[heads_set])
         # Set on the class before the executor loads its heads and captures their chains' graphs.
-        RecurrentDraftHead.fused = bool(getattr(_mode_settings(mode, args)[1], "fused_head_kernels", 1))
+        RecurrentDraftHead.fused = bool(getattr(settings, "fused_head_kernels", 1))
         engine = dataclasses.replace(base, speculative=spec)
         if spec.draft_tree is not None and base.decode_graphs is not None:
             # Tree rows need graphs whose attention reads tree masks; the other modes keep the plain ones.
@@ -302,7 +303,7 @@ def run_generate(args) -> dict:
 
                 graphs_with_masks["tree"] = capture_graphs(base, tree_masks=True)
             engine.decode_graphs = graphs_with_masks["tree"]
-        adaptive = bool(getattr(_mode_settings(mode, args)[1], "adaptive_draft_length", not args.fixed_draft_length))
+        adaptive = bool(getattr(settings, "adaptive_draft_length", not args.fixed_draft_length))
         limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=adaptive,
                               overlap_scheduling=mode != "none_serial")
         executor = InProcessExecutor(engine)

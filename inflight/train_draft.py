@@ -101,8 +101,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
 
 
 def format_report(path: Path, heads, report, separate: bool = False) -> str:  # AnyDraftHeads, DistillReport
-    # separate: the heads are in a folder of their own, not the engine's
-    """What the CLI prints: where the heads went, what they were trained on, and per-draft agreement."""
+    """What the CLI prints: where the heads went, what they were trained on, and per-draft agreement;
+    ``separate``: the heads are in a folder of their own, which serving must be told of."""
     losses = f"{report.epoch_losses[0]:.3f} -> {report.epoch_losses[-1]:.3f}" if report.epoch_losses else "n/a"
     h, k = heads.hidden_size, heads.num_heads
     shape = (f"{k} heads of {h}x{h}" if heads.kind == "medusa"

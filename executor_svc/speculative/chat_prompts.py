@@ -96,7 +96,7 @@ def sampled_requests(engine, limit: int, seed: int = 0, temperature: float = 1.0
         raise ValueError("the chat template does not place the user's message verbatim: no requests to sample")
     prefix = list(tokenizer.hf.encode(head, add_special_tokens=False))
     tail_ids = tokenizer.hf.encode(tail, add_special_tokens=False)
-    stops = tokenizer_eos_ids(engine.engine_dir) | set(tail_ids[:1])  # the token that ends the user's turn
+    stops = tokenizer_eos_ids(tokenizer.hf) | set(tail_ids[:1])  # the token that ends the user's turn
     max_tokens = len(prefix) + MAX_REQUEST_TOKENS
     if max_tokens > engine.max_seq_len:
         raise ValueError(f"sampling requests needs {max_tokens} tokens of context, "

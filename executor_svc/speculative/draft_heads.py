@@ -33,11 +33,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from executor_svc.speculative.draft_tree import TreeTensors, top_ids
+from plugins.norm_torch import rms_norm
 
 HEADS_NAME = "draft_heads.safetensors"
 HEADS_META_NAME = "draft_heads.json"
 FORMAT_VERSION = 2  # 2 added "kind" (files of version 1 are Medusa heads)
 HEAD_KINDS = ("recurrent", "medusa")
+NORM_EPS = 1e-6  # the recurrent head's input norms (``input_norm``)
 
 
 class DraftHeads(nn.Module):
@@ -146,7 +148,8 @@ class RecurrentDraftHead(nn.Module):
         """The predicted next hidden state: state [N, H], token_embedding [N, H] -> [N, H] in the head's dtype."""
         token_embedding = token_embedding.to(state.dtype)
         if self.input_norm:
-            x = torch.cat([_rms_norm(state, self.norm_state), _rms_norm(token_embedding, self.norm_embed)], dim=-1)
+            x = torch.cat([rms_norm(state, self.norm_state, NORM_EPS)[0],
+                           rms_norm(token_embedding, self.norm_embed, NORM_EPS)[0]], dim=-1)
         else:
             x = torch.cat([state, token_embedding], dim=-1)  # [N, 2H]
         return state + F.linear(F.silu(F.linear(x, self.w_in, self.b_in)), self.w_out, self.b_out)
@@ -237,11 +240,6 @@ class RecurrentDraftHead(nn.Module):
     def tensors(self) -> dict[str, torch.Tensor]:
         norms = {"norm_state": self.norm_state, "norm_embed": self.norm_embed} if self.input_norm else {}
         return {"w_in": self.w_in, "b_in": self.b_in, "w_out": self.w_out, "b_out": self.b_out, **norms}
-
-
-def _rms_norm(x: torch.Tensor, gain: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x`` over its root mean square (in float32) times ``gain``, in ``x``'s dtype."""
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * gain
 
 
 AnyDraftHeads = DraftHeads | RecurrentDraftHead

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -103,9 +102,6 @@ def check_vocabulary(engine, token_lists: list[list[int]]) -> None:
                          "train heads for a model whose vocabulary covers its tokenizer")
 
 
-def tokenizer_eos_ids(engine_dir: Path) -> set[int]:
-    """End-of-sequence ids of the engine's tokenizer (where a self-generated text stops)."""
-    from transformers import AutoTokenizer  # heavy; only self-generation needs it here
-
-    tokenizer = AutoTokenizer.from_pretrained(str(engine_dir))
+def tokenizer_eos_ids(tokenizer) -> set[int]:
+    """End-of-sequence ids of a Hugging Face tokenizer (where a self-generated text stops)."""
     return {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()

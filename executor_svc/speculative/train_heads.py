@@ -237,7 +237,10 @@ def training_texts(engine, config: DistillConfig, max_tokens: int, progress: boo
     check_vocabulary(engine, token_lists + eval_lists)
     if config.self_generate:
         prompts = [ids[: max(1, min(config.prompt_tokens, len(ids) - 1))] for ids in token_lists]
-        token_lists = self_generate(engine, prompts, max_tokens, tokenizer_eos_ids(engine.engine_dir), progress)
+        from scheduler_svc.tokenizer import Tokenizer
+
+        eos = tokenizer_eos_ids(Tokenizer(engine.engine_dir).hf)
+        token_lists = self_generate(engine, prompts, max_tokens, eos, progress)
         data += f", greedy continuations of their first {config.prompt_tokens} tokens"
     return (token_lists, [0] * len(token_lists), data), (eval_lists, [0] * len(eval_lists), eval_data)
 
@@ -267,7 +270,7 @@ def chat_answers(engine, requests: list[str], max_tokens: int, progress: bool = 
         raise ValueError(f"the engine's tokenizer ({engine.engine_dir}) has no chat template: train with chat off")
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}])[: max_tokens - 1] for t in requests]
     prompts = [p for p in prompts if p]
-    answers = self_generate(engine, prompts, max_tokens, tokenizer_eos_ids(engine.engine_dir), progress)
+    answers = self_generate(engine, prompts, max_tokens, tokenizer_eos_ids(tokenizer.hf), progress)
     return answers, [len(p) - 1 for p in prompts]
 
 
