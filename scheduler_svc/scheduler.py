@@ -58,7 +58,7 @@ from kvcache.manager import KVCacheManager
 from protos.plan import BlockCopy, CachedRequest, NewRequest, RequestOutput, StepPlan, StepResult
 from scheduler_svc.request import FinishReason, Request, RequestStatus
 from scheduler_svc.scheduler_config import CapacityPolicy, SchedulerConfig
-from scheduler_svc.speculation import Candidate, DraftLengthPolicy, DraftStats, trial_rounds
+from scheduler_svc.speculation import TRIAL_ROUNDS, Candidate, DraftLengthPolicy, DraftStats
 from scheduler_svc.waiting_queue import WaitingQueue
 
 __all__ = ["CapacityPolicy", "RequestUpdate", "Scheduler", "SchedulerConfig"]
@@ -118,7 +118,8 @@ class Scheduler:
         self.drafts = DraftStats(by_position=[0] * config.max_draft_tokens,
                                  accepted_by_position=[0] * config.max_draft_tokens)
         self.draft_policy = DraftLengthPolicy(
-            config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size
+            config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size,
+            max(config.max_speculative_rounds, 1),
         )
         self._drafts_asked = False  # whether the last plan asked any request for drafts
         # step id -> (tokens per round, rounds, whether it verified drafts) of generation steps in flight
@@ -307,8 +308,8 @@ class Scheduler:
         """Verification rounds for this step: more than one only when the step may chain them
         (``_chain_draft_limit``; a request without drafts of its own starts from padding, and the device looks up
         its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
-        at most ``trial_rounds`` when the draft length is the policy's trial (priced by a guess, or a probe),
-        which then costs half a step if wrong, not all of it."""
+        at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
+        which then costs two rounds if wrong, not every round."""
         cfg = self.config
         policy = self.draft_policy
         if not chainable or draft_length <= 0 or policy.verify_limit is not None:
@@ -316,7 +317,7 @@ class Scheduler:
         rows = cfg.round_rows(draft_length)
         rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
         if policy.trial:
-            rounds = min(rounds, trial_rounds(cfg.max_speculative_rounds))
+            rounds = min(rounds, TRIAL_ROUNDS)
         for request in order:
             # What the rounds may write must fit what the request may still hold (``rounds_kv_span``).
             room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)

@@ -76,11 +76,11 @@ verification step of the same size. Their per-round cost is learned apart
 (``chained_costs``) and prices K > 0 whenever the step may chain; a K that
 is a guess (no cost of its kind measured yet, a chain longer than any
 measured one, whose price is extrapolated, or a probe) is a ``trial``,
-which the scheduler chains over half the rounds it would (``trial_rounds``):
-enough to measure a chained round at nearly the share of host work a full
-chain carries (a step's host work is spread over its rounds, and each
-size's price counts only steps of at least half its longest recent chain,
-``StepCosts.points``), and a wrong guess costs half a step.
+which the scheduler chains over only ``TRIAL_ROUNDS`` rounds: enough to
+measure a chained round, and a wrong guess costs two rounds, not eight. A
+step's host work is fitted apart from its rounds' cost (``ChainedCosts``),
+so steps of few rounds (trials, a request's last step) do not make their
+size look dear.
 
 A request's expected accepted drafts at K come from its record at each
 draft position: of the verifications that reached position j (every draft
@@ -110,8 +110,9 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.9  # per verification: recent acceptance counts most
 POSITION_PRIOR_WEIGHT = 0.5  # observations a later draft position's prior is worth (``Acceptance.position_rates``)
 RECENT = 8  # measurements each step-size bucket keeps
+OUTLIER_FACTOR = 3.0  # a chained step over this many times its size's cheapest round is left out of the fit
 TRUSTED = 3  # measurements after which a bucket counts (its median)
-TRIAL_ROUNDS = 2  # fewest chained rounds of a trial K (see the module docstring and ``trial_rounds``)
+TRIAL_ROUNDS = 2  # chained rounds of a trial K (see the module docstring)
 PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
@@ -205,12 +206,6 @@ def expected_accepted(rate: float, k: int, continuation: float | None = None,
     return rate * sum(later**j for j in range(k))
 
 
-def trial_rounds(max_rounds: int) -> int:
-    """Chained rounds of a trial K in a step that may chain ``max_rounds``: half, so that the step's host work
-    weighs on its per-round cost about as on a full chain's (``StepCosts.points`` keeps such steps)."""
-    return max(TRIAL_ROUNDS, max_rounds // 2)
-
-
 def _bucket(num_tokens: int) -> int:
     return max(num_tokens, 1).bit_length()  # powers of two: 1, 2-3, 4-7, ...
 
@@ -219,30 +214,22 @@ def _bucket(num_tokens: int) -> int:
 class StepCosts:
     """Measured seconds of a generation step by the tokens in it (see the module docstring)."""
 
-    recent: dict[int, deque] = field(default_factory=dict)  # bucket -> last (tokens, seconds, rounds)
+    recent: dict[int, deque] = field(default_factory=dict)  # bucket -> last (tokens, seconds)
+    # ``points()`` until the next observation: the policy prices every draft length from them each step.
+    _points: list[tuple[int, float]] | None = field(default=None, repr=False)
 
-    def observe(self, num_tokens: int, seconds: float, rounds: int = 1) -> None:
-        """A step of ``num_tokens`` took ``seconds`` (per round, of ``rounds`` chained ones)."""
-        self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds, rounds))
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT)).append((num_tokens, seconds))
+        self._points = None
 
     def points(self) -> list[tuple[int, float]]:
         """(tokens, seconds) per bucket with enough measurements: its median recent step.
-        While no bucket has enough, every bucket's fastest step.
-
-        A chained step's share per round carries its host work (planning, launching, reading the result back)
-        divided by its rounds, so a step of few rounds (a trial's two, a request's last step cut short by its
-        end) costs more per round than the full chains the choice is about: measured on an H100 with SmolLM2,
-        a 9-token round priced 1.35 ms from a mix of such steps against 1.01 from full ones. Each bucket
-        therefore counts its steps of at least half the most rounds it has seen recently. That is not enough
-        where a size's recent steps are nearly all short: a chain of eight drafts, chosen mostly near a
-        request's end, stayed priced at about 2 ms a round in a traced run
-        (``h100_spec_heads_lookup_policy_trace_smollm2.json``; the README's speculative section)."""
-        ranked = []
-        for window in self.recent.values():
-            most = max(rounds for _, _, rounds in window)
-            ranked.append(sorted(((t, sec) for t, sec, rounds in window if 2 * rounds >= most), key=lambda p: p[1]))
-        trusted = [r[len(r) // 2] for r in ranked if len(r) >= TRUSTED]
-        return sorted(trusted or [r[0] for r in ranked])
+        While no bucket has enough, every bucket's fastest step."""
+        if self._points is None:
+            ranked = [sorted(window, key=lambda p: p[1]) for window in self.recent.values()]
+            trusted = [r[len(r) // 2] for r in ranked if len(r) >= TRUSTED]
+            self._points = sorted(trusted or [r[0] for r in ranked])
+        return self._points
 
     def covers(self, num_tokens: int) -> bool:
         """Whether a step of ``num_tokens`` is within the measured sizes (its bucket or a larger one)."""
@@ -250,14 +237,91 @@ class StepCosts:
 
     def step_seconds(self, num_tokens: int) -> float | None:
         points = self.points()
-        if not points:
+        return _interpolate(points, num_tokens) if points else None
+
+
+@dataclass(slots=True)
+class ChainedCosts:
+    """Measured cost of steps that chained verification rounds: a share of host work per step (planning,
+    launching, reading the result back) and a per-round cost by the tokens in a round.
+
+    A step of R rounds of T tokens takes about ``host + R * round(T)``. Its wall time divided by R, what the
+    policy once priced rounds by, makes a step of few rounds (a trial's two, a request's last step stopped by
+    its end) look dear: on an H100 with SmolLM2, heads with prompt lookup, steps of 16 rounds cost 1.05-1.18 ms a
+    round at 2 to 9 tokens, steps of 2 rounds 2.0 ms, and a size seen mostly near requests' ends was priced
+    at 2.0 (``h100_spec_heads_lookup_policy_trace_smollm2.json``). So ``host`` and each size's ``round`` are
+    fitted together by least squares over every size's recent steps (one ``host`` for all), and a round is
+    priced as ``round(T) + host / R`` for the rounds R a step chains. Where every step of a size ran the same
+    number of rounds, ``host`` is not told apart from the rounds, and the price is their share, as before.
+    """
+
+    recent: dict[int, deque] = field(default_factory=dict)  # bucket -> last (tokens, step seconds, rounds)
+    # ``fit()`` until the next observation: the policy prices every draft length from it each step.
+    _fit: tuple[float, list[tuple[int, float]]] | None = field(default=None, repr=False)
+
+    def observe(self, num_tokens: int, round_seconds: float, rounds: int) -> None:
+        """A step of ``rounds`` rounds of ``num_tokens`` tokens took ``round_seconds`` a round."""
+        window = self.recent.setdefault(_bucket(num_tokens), deque(maxlen=RECENT))
+        window.append((num_tokens, round_seconds * rounds, max(rounds, 1)))
+        self._fit = None
+
+    def covers(self, num_tokens: int) -> bool:
+        """Whether a round of ``num_tokens`` is within the measured sizes (its bucket or a larger one)."""
+        return any(bucket >= _bucket(num_tokens) for bucket in self.recent)
+
+    def fit(self) -> tuple[float, list[tuple[int, float]]]:
+        """(host seconds a step, [(tokens, seconds a round)] per bucket, by tokens)."""
+        if self._fit is None:
+            self._fit = self._least_squares()
+        return self._fit
+
+    def _least_squares(self) -> tuple[float, list[tuple[int, float]]]:
+        windows = []
+        for window in self.recent.values():
+            cheapest = min(sec / rounds for _, sec, rounds in window)
+            # A step costing over three times the cheapest round of its size (a kernel compiling, a pause) is
+            # no measure of either part.
+            kept = [(t, sec, r) for t, sec, r in window if sec / r <= OUTLIER_FACTOR * cheapest]
+            windows.append(kept)
+        # For a given host h, a size's round is sum(R (S - h)) / sum(R^2); h minimises what is left over.
+        num = den = 0.0
+        for kept in windows:
+            rr = sum(r * r for _, _, r in kept)
+            rs = sum(r * sec for _, sec, r in kept)
+            rc = sum(r for _, _, r in kept)
+            for _, sec, r in kept:
+                u, v = sec - r * rs / rr, 1.0 - r * rc / rr
+                num, den = num + u * v, den + v * v
+        host = max(num / den, 0.0) if den > 1e-9 else 0.0
+        host = min(host, min(sec for kept in windows for _, sec, _ in kept))  # never more than a whole step
+        points = []
+        for kept in windows:
+            rr = sum(r * r for _, _, r in kept)
+            per_round = sum(r * (sec - host) for _, sec, r in kept) / rr
+            tokens = sorted(t for t, _, _ in kept)[len(kept) // 2]
+            points.append((tokens, max(per_round, 0.0)))
+        return host, sorted(points)
+
+    def points(self) -> list[tuple[int, float]]:
+        """(tokens, seconds a round without the host's share) per bucket (reports)."""
+        return self.fit()[1] if self.recent else []
+
+    def round_seconds(self, num_tokens: int, rounds: int) -> float | None:
+        """What a round of ``num_tokens`` costs in a step of ``rounds`` rounds (interpolated between sizes)."""
+        if not self.recent:
             return None
-        if num_tokens <= points[0][0]:
-            return points[0][1]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            if num_tokens <= x1:
-                return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1)
-        return points[-1][1]
+        host, points = self.fit()
+        return _interpolate(points, num_tokens) + host / max(rounds, 1)
+
+
+def _interpolate(points: list[tuple[int, float]], num_tokens: int) -> float:
+    """``points`` (by tokens) read at ``num_tokens``: linear between them, flat past either end."""
+    if num_tokens <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if num_tokens <= x1:
+            return y0 + (y1 - y0) * (num_tokens - x0) / max(x1 - x0, 1)
+    return points[-1][1]
 
 
 @dataclass(slots=True)
@@ -274,20 +338,22 @@ class Candidate:
 class DraftLengthPolicy:
     """Picks the step's draft length K (see the module docstring)."""
 
-    def __init__(self, max_draft_tokens: int, adaptive: bool = True, max_step_tokens: int = 0) -> None:
+    def __init__(self, max_draft_tokens: int, adaptive: bool = True, max_step_tokens: int = 0,
+                 max_rounds: int = 8) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
         self.max_step_tokens = max_step_tokens  # probes stay within it (0 = no limit)
+        self.max_rounds = max_rounds  # rounds a chained step runs: its host share is spread over them
         self.verify_limit: int | None = None  # this step's most requests that verify drafts (None = all)
         # This step's K is a trial (priced by a guess, or a probe of speculation that was off): the
-        # scheduler chains it over ``trial_rounds`` rounds, so a wrong guess costs half a step.
+        # scheduler chains it over at most TRIAL_ROUNDS rounds, so a wrong guess costs few rounds.
         self.trial = False
         self._last_tokens = 0  # tokens of the last generation step measured
         self.overlap_available = True  # whether the step loop overlaps steps when speculation is off
         self.costs = StepCosts()  # wall time of steps run one at a time
         self.overlapped_costs = StepCosts()  # wall time of overlapped steps
         self.executor_costs = StepCosts()  # the executor's own time per step
-        self.chained_costs = StepCosts()  # wall time per round of steps that chained verification rounds
+        self.chained_costs = ChainedCosts()  # steps that chained verification rounds: host share and rounds
         self._chainable = False  # this step may chain rounds: K > 0 is priced by chained_costs
         self.last_k = max_draft_tokens
         self._dry_steps = 0  # steps in a row whose drafts were asked for and none came
@@ -384,7 +450,7 @@ class DraftLengthPolicy:
 
     def _cost(self, k: int, num_tokens: int) -> float | None:
         if k > 0 and self._chainable:
-            return self.chained_costs.step_seconds(num_tokens)
+            return self.chained_costs.round_seconds(num_tokens, self.max_rounds)
         if k == 0 and self.overlap_available:
             for costs in (self.overlapped_costs, self.executor_costs):
                 seconds = costs.step_seconds(num_tokens)

@@ -406,15 +406,16 @@ def test_chained_rounds_need_no_drafts_from_the_host():
 
 
 def test_trial_draft_lengths_chain_few_rounds_and_chained_costs_price_chains():
-    """The adaptive policy's guesses (no chained round measured yet, a probe) chain half the rounds;
+    """The adaptive policy's guesses (no chained round measured yet, a probe) chain only TRIAL_ROUNDS rounds;
     chained steps are priced by their own per-round cost, not by single verification steps."""
+    from scheduler_svc.speculation import TRIAL_ROUNDS
 
     s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8)
     s.add_request(make_request("a", 6, max_tokens=200))
     plan = s.schedule()
     s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3])]))
     cached = s.schedule().cached_requests[0]
-    assert s.draft_policy.trial and (cached.num_rounds, cached.num_scheduled_tokens) == (4, 16)
+    assert s.draft_policy.trial and (cached.num_rounds, cached.num_scheduled_tokens) == (TRIAL_ROUNDS, 8)
     policy = DraftLengthPolicy(max_draft_tokens=3)
     for _ in range(4):  # plain steps overlap at 1 ms; a single verification step, serial, costs 3 ms
         policy.observe(1, 0.001, overlapped=True, executor_seconds=0.0)
@@ -960,17 +961,24 @@ def test_acceptance_by_position_chooses_the_chain_length_that_pays():
     assert chosen == {"copies": (8, 8), "heads alone": (4, 8)}
 
 
-def test_chained_costs_count_steps_of_nearly_the_longest_chains():
-    """A chained step's host work is spread over its rounds: a trial's two rounds or a request's last step cut
-    short price a round above what full chains cost, and the bucket's price comes from the long ones."""
-    from scheduler_svc.speculation import StepCosts, trial_rounds
+def test_chained_costs_tell_a_steps_host_work_from_its_rounds():
+    """A chained step of R rounds costs host + R * round: a trial's two rounds or a request's last step cut short
+    price a round above what a full chain of the same size costs, once host and rounds are fitted together."""
+    from scheduler_svc.speculation import ChainedCosts
 
-    costs = StepCosts()
-    for _ in range(3):
-        costs.observe(9, 0.00145, rounds=2)  # 0.9 ms of host work over two rounds of 1 ms
-    assert costs.points() == [(9, 0.00145)]  # all it knows
-    for _ in range(3):
-        costs.observe(9, 0.00106, rounds=16)
-        costs.observe(9, 0.00111, rounds=8)
-    assert costs.points() == [(9, 0.00111)]  # the (upper) median of the six steps of 8 or 16 rounds
-    assert trial_rounds(16) == 8 and trial_rounds(8) == 4 and trial_rounds(3) == 2
+    costs = ChainedCosts()
+    for _ in range(3):  # 2 ms of host work a step; a round of 5 tokens costs 1.0 ms, one of 9 tokens 1.05
+        costs.observe(5, (2.0 + 16 * 1.0) / 16 * 1e-3, 16)
+        costs.observe(9, (2.0 + 2 * 1.05) / 2 * 1e-3, 2)
+    assert costs.round_seconds(9, 2) == pytest.approx(2.05e-3)  # one size, one length: its share, as measured
+    costs.observe(9, (2.0 + 16 * 1.05) / 16 * 1e-3, 16)
+    host, points = costs.fit()
+    assert host == pytest.approx(2.0e-3) and points == [(5, pytest.approx(1.0e-3)), (9, pytest.approx(1.05e-3))]
+    assert costs.round_seconds(9, 16) == pytest.approx(1.05e-3 + 2.0e-3 / 16)
+    assert costs.round_seconds(7, 16) == pytest.approx(1.025e-3 + 2.0e-3 / 16)  # between the two sizes
+    costs.observe(5, 0.050, 16)  # a step that paused: over three times its size's cheapest round, left out
+    assert costs.fit()[0] == pytest.approx(2.0e-3)
+    alone = ChainedCosts()  # every step the same length: the host's share stays in the rounds
+    alone.observe(5, 1.125e-3, 16)
+    assert alone.fit() == (0.0, [(5, pytest.approx(1.125e-3))])
+    assert alone.round_seconds(5, 16) == pytest.approx(1.125e-3) and not alone.covers(9) and alone.covers(4)
