@@ -15,7 +15,11 @@ CUDA-graph replays, on random weights of a shape (acceptance plays no part):
   for one request alone (its CUDA graph), each way; ``chain_drafts_agree`` the
   share of drafts the two chains agree on over 64 random states (the Triton
   chain rounds where torch's kernels do, so only float32 sums that land on
-  the other side of a 16-bit rounding can differ).
+  the other side of a 16-bit rounding can differ);
+* ``round_k{k}_vocab{n}_ms`` / ``chain_k{k}_vocab{n}_ms``: the Triton chain
+  drafting from a draft vocabulary of n tokens (``--draft-vocab``), whose
+  LM-head GEMV reads n rows instead of the whole vocabulary's (which n tokens
+  plays no part in the time).
 
 ``--gemv-rows N`` is an experiment: route up to N rows through the 16-bit
 GEMV with its one-row tile, whatever the build timed (0: the engine's own
@@ -103,8 +107,15 @@ def run(args: argparse.Namespace) -> dict:
     torch_head = RecurrentDraftHead(4, config.hidden_size, config.vocab_size).to(device, eng.dtype)
     torch_head.load_state_dict(head.state_dict())
     torch_head.fused = False
+    heads = [("", head), ("_torch_head", torch_head)]
+    for size in args.draft_vocab:
+        small = RecurrentDraftHead(4, config.hidden_size, config.vocab_size).to(device, eng.dtype)
+        small.load_state_dict(head.state_dict())
+        small.token_counts = torch.arange(config.vocab_size, 0, -1)  # any ranking: the first n ids
+        small.use_draft_vocab(size)
+        heads.append((f"_vocab{size}", small))
     runners, chains = {}, {}
-    for name, h in (("", head), ("_torch_head", torch_head)):
+    for name, h in heads:
         chains[name] = HeadsChain(h, eng.model, 128, device, eng.dtype)
         runners[name] = RoundsRunner(eng.model, eng.kv_cache, eng.decode_graphs, eng.tokens_per_block, (1, 1),
                                      chains[name])
@@ -140,7 +151,8 @@ def run(args: argparse.Namespace) -> dict:
         for name, runner in runners.items():
             for k in (1, 2, 3, 4):
                 out[f"round_k{k}{name}_ms"] = round(gpu_ms(lambda: runner.run([request()], k, 8, k), 10) / 8, 4)
-        for name, chain in (("", chains[""]), ("_torch", chains["_torch_head"])):
+        for name, chain in (("", chains[""]), ("_torch", chains["_torch_head"]),
+                            *((f"_vocab{size}", chains[f"_vocab{size}"]) for size in args.draft_vocab)):
             for k in (1, 2, 3, 4):
                 out[f"chain_k{k}{name}_ms"] = round(gpu_ms(lambda: chain.draft(hidden_rows, 1, k), 50), 4)
     log(", ".join(f"{key} {value}" for key, value in out.items() if key.endswith("_ms")))
@@ -153,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-from", default="smollm2-135m-instruct", help="whose tokenizer the shape folder gets")
     p.add_argument("--device", default="cuda", choices=["cuda"], help="CUDA graphs and events: a GPU only")
     p.add_argument("--gemv-rows", type=int, default=0, help="experiment: up to this many rows on the GEMV (0: off)")
+    p.add_argument("--draft-vocab", default="8192,16384",
+                   help="comma-separated draft vocabulary sizes to time the Triton chain with ('' for none)")
     p.add_argument("--output", type=Path, default=Path("bench/results/round_cost.json"))
     args = p.parse_args(argv)
+    args.draft_vocab = [int(v) for v in args.draft_vocab.split(",") if v]
     write_report("bench/round_cost.py", argv, args.device, args.output, run(args))
     return 0
 

@@ -108,9 +108,11 @@ CHAT = [
 # kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
 # ``heads1``: draft with the first set of heads trained by --more-train-draft-args, beside --train-heads' own.
 # ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
+# ``vocab0``: the heads draft from every token; ``vocab8192`` from the 8,192 their training answers used most
+# (default: what the heads were trained with, --train-draft-args '--draft-vocab N').
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
                   "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels",
-                  "heads": "heads_set", "adaptive": "adaptive_draft_length"}
+                  "heads": "heads_set", "adaptive": "adaptive_draft_length", "vocab": "draft_vocab"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -140,7 +142,7 @@ def _mode_config(name: str, args):
     tree = parse_tree(args.draft_tree) if name == "draft_heads_tree" else None
     return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, max_rounds=rounds,
                              draft_tree=tree, end_rounds_early=bool(getattr(args, "end_rounds_early", 1)),
-                             heads_lookup=getattr(args, "heads_lookup", 0))
+                             heads_lookup=getattr(args, "heads_lookup", 0), draft_vocab=getattr(args, "draft_vocab", None))
 
 
 TRACE_LIMIT = 4000  # policy events kept per mode (--trace-policy)
@@ -210,6 +212,16 @@ async def _run(async_engine, requests, desc: str) -> dict:
 def _decode_rate(runs: list[dict]) -> float:
     """Output tokens after the first per second after the first, over one-request runs."""
     return sum(r["output_tokens"] - 1 for r in runs) / max(sum(r["wall_s"] - r["ttft_s"] for r in runs), 1e-9)
+
+
+def _cost_points(policy) -> dict:
+    """What the draft-length policy has learned of step costs (seconds): single, overlapped and executor-side
+    steps by their tokens, and chained steps as a host share a step plus a cost a round by its tokens."""
+    host, rounds = policy.chained_costs.fit() if policy.chained_costs.recent else (None, [])
+    return {
+        "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
+        "executor": policy.executor_costs.points(), "chained_host_per_step": host, "chained_per_round": rounds,
+    }
 
 
 def _rates(drafted: list[int], accepted: list[int]) -> list[float | None]:
@@ -356,10 +368,7 @@ def run_generate(args) -> dict:
             if trace is not None:
                 out["batch1"]["policy_trace"] = trace[:TRACE_LIMIT]
             policy = async_engine.scheduler.draft_policy
-            out["batch1"]["step_cost_points"] = {
-                "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
-                "executor": policy.executor_costs.points(), "chained_per_round": policy.chained_costs.points(),
-            }
+            out["batch1"]["step_cost_points"] = _cost_points(policy)
             log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
             for batch in [b for b in args.batch_sizes if b > 1]:
                 def requests_of(max_tokens: int) -> list[GenerationRequest]:
@@ -384,10 +393,7 @@ def run_generate(args) -> dict:
                 run["host_cpu_ms_per_step"] = {k: (v - cpu_before[k]) * 1e3 / max(run["steps"], 1)
                                                for k, v in cpu_after.items()}
                 policy = async_engine.scheduler.draft_policy
-                run["step_cost_points"] = {
-                    "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
-                    "executor": policy.executor_costs.points(), "chained_per_round": policy.chained_costs.points(),
-                }
+                run["step_cost_points"] = _cost_points(policy)
                 run["acceptance_by_position"] = _rates(run.pop("drafts_by_position"), run.pop("accepted_by_position"))
                 out[f"batch{batch}"] = run
                 log(f"{mode}: batch {batch} {run['output_tokens_per_s']:.0f} tok/s")

@@ -50,6 +50,9 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-heads", default=None, metavar="DIR",
                    help="draft_heads: the folder of the heads to draft with (`inflight train-draft --output`); "
                         "default: the engine's folder")
+    g.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft_heads: draft from the N tokens the heads' training answers used most (0 = every "
+                        "token); default: what the heads were trained with (`inflight train-draft --draft-vocab`)")
     g.add_argument("--draft-tree", default="chain",
                    help="draft_heads: 'chain' (k drafts in a row), 'default' (a 14-node tree to depth 4) or the "
                         "tree's paths of guess ranks, e.g. '0;1;2;0,0;1,0;0,0,0': requests verify the tree")

@@ -41,7 +41,8 @@ def speculative_config_from_args(args: argparse.Namespace):
     try:
         return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, draft_dir,
                                  args.speculative_rounds, tree, heads_lookup=args.heads_lookup,
-                                 draft_heads_dir=Path(args.draft_heads) if args.draft_heads else None)
+                                 draft_heads_dir=Path(args.draft_heads) if args.draft_heads else None,
+                                 draft_vocab=args.draft_vocab)
     except ValueError as exc:
         raise SystemExit(f"inflight: speculative decoding: {exc}") from None
 
@@ -122,6 +123,7 @@ def run_serve(args: argparse.Namespace) -> None:
         "--heads-lookup", str(args.heads_lookup),
         *(["--draft-model", str(draft_dir)] if draft_dir else []),
         *(["--draft-heads", str(Path(args.draft_heads).resolve())] if args.draft_heads else []),
+        *(["--draft-vocab", str(args.draft_vocab)] if args.draft_vocab is not None else []),
     ]
     child = subprocess.Popen(executor_cmd)
     try:

@@ -54,6 +54,9 @@ def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                         "see when serving; one decode step per token); --no-self-generate: the texts as they are")
     p.add_argument("--num-eval-texts", type=int, default=d.num_eval_texts,
                    help="held-out texts for the agreement report")
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, metavar="N",
+                   help="draft from the N tokens the training answers use most, reading only their rows of the LM "
+                        "head (0 = every token); serving may change it (--draft-vocab)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: the engine's device")
     return p
@@ -74,7 +77,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
             max_tokens_per_text=args.max_tokens_per_text, self_generate=args.self_generate, epochs=args.epochs,
             lr=args.lr, max_grad_norm=args.max_grad_norm, batch_rows=args.batch_rows, hidden_loss_weight=args.hidden_loss_weight,
             intermediate_size=args.intermediate_size, input_norm=args.input_norm,
-            num_eval_texts=args.num_eval_texts, seed=args.seed,
+            num_eval_texts=args.num_eval_texts, draft_vocab=args.draft_vocab, seed=args.seed,
         )
         manifest = read_manifest(engine_dir)
         device = "auto" if args.device == "auto" else str(resolve_device("cuda:0" if args.device == "cuda" else "cpu"))
@@ -120,5 +123,9 @@ def format_report(path: Path, heads, report, separate: bool = False) -> str:  # 
     lines.append(f"accepted    per step with {k} drafts (greedy chain, held-out): "
                  f"{report.mean_accepted_before:.2f} -> {report.mean_accepted_after:.2f} from every position, "
                  f"{report.walk_accepted_before:.2f} -> {report.walk_accepted_after:.2f} per round as served")
+    if report.draft_vocab_size:
+        lines.append(f"vocabulary  drafts from the {report.draft_vocab_size} most used tokens "
+                     f"({report.draft_vocab_coverage:.1%} of the training answers' tokens); with every token "
+                     f"{report.walk_accepted_whole_vocab:.2f} accepted per round as served")
     lines.append("serve with  --speculative draft_heads" + (f" --draft-heads {path.parent}" if separate else ""))
     return "\n".join(lines)

@@ -281,7 +281,8 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
 
 def test_speculative_generate_serves_several_trained_head_sets_in_one_run(tmp_path: Path, model_dir: Path) -> None:
     """--more-train-draft-args trains heads into folders of their own beside the engine's, and a mode's headsN
-    serves set N, all against the same plain decoding (a two-layer random-weight engine, the real tokenizer)."""
+    serves set N, all against the same plain decoding (a two-layer random-weight engine, the real tokenizer);
+    vocab0 serves a set trained with a draft vocabulary from every token."""
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_engine
     from tests.conftest import tiny_llama_config
@@ -299,16 +300,17 @@ def test_speculative_generate_serves_several_trained_head_sets_in_one_run(tmp_pa
     cmd = [
         sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--engine-dir", str(folder / "engine"),
         "--device", "cpu", "--prompts", "chat", "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1",
-        "--modes", "none,draft_heads,draft_heads:heads1", "--train-heads",
-        "--train-draft-args", f"{train} --num-texts 2",
+        "--modes", "none,draft_heads,draft_heads:vocab0,draft_heads:heads1", "--train-heads",
+        "--train-draft-args", f"{train} --num-texts 2 --draft-vocab 64",
         "--more-train-draft-args", f"{train} --num-texts 3", "--output", str(out),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert list(result["modes"]) == ["none", "draft_heads", "draft_heads:heads1"]
+    assert list(result["modes"]) == ["none", "draft_heads", "draft_heads:vocab0", "draft_heads:heads1"]
     assert result["draft_heads"]["training"]["num_texts"] == 2 and result["draft_heads1"]["training"]["num_texts"] == 3
+    assert result["draft_heads"]["training"]["draft_vocab_size"] == 64
     for mode in result["modes"].values():
         assert mode["batch1"]["output_tokens"] > 0 and mode["batch1"]["same_tokens_as_none"]
 

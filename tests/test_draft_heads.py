@@ -265,6 +265,17 @@ def test_train_draft_command_writes_heads_the_engine_can_load(tiny_engine_dir, t
     # Random weights never end a user's turn: asked for requests the target writes, the command says so.
     assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--requests", "sampled")) == 2
     assert "wrote no request" in capsys.readouterr().err
+    # A draft vocabulary: recorded with the counts it came from, loaded as saved or as serving asks.
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--draft-vocab", "64")) == 0
+    assert "drafts from the 64 most used tokens" in capsys.readouterr().out
+    meta = json.loads(heads_meta_path(tiny_engine_dir).read_text())
+    assert meta["format"] == 3 and meta["draft_vocab_size"] == 64 and meta["training"]["draft_vocab_size"] == 64
+    assert 0 < meta["training"]["draft_vocab_coverage"] <= 1
+    heads = load_draft_heads(tiny_engine_dir, config, torch.device(TEST_DEVICE), torch.float32)
+    assert heads.draft_vocab.shape == (64,) and int(heads.token_counts.sum()) > 0
+    assert load_draft_heads(tiny_engine_dir, config, torch.device(TEST_DEVICE), torch.float32, 0).draft_vocab is None
+    assert run_train_draft(_cli(str(tiny_engine_dir), *argv, "--draft-vocab", "-1")) == 2
+    assert "draft_vocab must be at least 0" in capsys.readouterr().err
 
 
 # -- the recurrent (EAGLE-style) head ----------------------------------------------------------
@@ -425,6 +436,80 @@ def test_triton_chain_on_odd_shapes_and_ties():
         assert torch.equal(one, expected[:1, :1])
 
 
+def test_triton_chain_drafts_from_a_draft_vocabulary():
+    """With a draft vocabulary the chain's LM head reads only those rows and maps its pick to their token ids:
+    the argmax over the vocabulary's ids (ties to the lowest id), as the torch chain restricted to them."""
+    from executor_svc.speculative import heads_triton
+
+    gen = torch.Generator().manual_seed(5)
+    dim, inner, vocab = 40, 76, 101
+    head = RecurrentDraftHead(3, dim, vocab, intermediate_size=inner)
+    with torch.no_grad():
+        for p in (head.w_in, head.b_in, head.w_out, head.b_out):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    embed = torch.randn(vocab, dim, generator=gen)
+    lm = torch.randn(vocab, dim, generator=gen)
+    lm[90:] = lm[20:31]  # ids 90..100 tie with 20..30
+    ids = torch.tensor(sorted(set(range(0, 101, 3)) | set(range(20, 31)) | set(range(90, 101))))
+    hidden = torch.randn(3, dim, generator=gen)
+    first = torch.randint(0, vocab, (3,), generator=gen)
+    state, token, expected = hidden, first, []
+    with torch.inference_mode():
+        for _ in range(3):
+            state = head.step(state, embed[token])
+            token = ids[(state @ lm[ids].t()).argmax(-1)]
+            expected.append(token)
+        expected = torch.stack(expected, dim=1)
+        device = torch.device(TEST_DEVICE)
+        parts = [t.detach().to(device) for t in (embed, head.w_in, head.b_in, head.w_out, head.b_out, lm[ids])]
+        narrow = heads_triton.ChainConfig(block_hidden=16, block_k_hidden=16, block_vocab=16, block_k_vocab=16)
+        got = heads_triton.recurrent_drafts(hidden.to(device), first.to(device), *parts, 3, narrow,
+                                            vocab_ids=ids.to(device)).cpu()
+    assert torch.equal(got, expected)
+    assert torch.isin(got, ids).all() and not ((got >= 90) & (got <= 100)).any()  # ties went to the lower ids
+
+
+def test_draft_vocabulary_keeps_the_most_used_tokens_and_drafts_only_those(engine, recurrent_trained,
+                                                                              held_out_hidden, tmp_path):
+    """The heads' draft vocabulary is the training answers' most used tokens; drafting from it gives the torch
+    chain restricted to those tokens' logits, and it survives a save and load (or serving asks another size)."""
+    head, report = recurrent_trained
+    counts = head.token_counts
+    assert counts is not None and counts.shape == (engine.model_config.vocab_size,)
+    assert int(counts.sum()) == report.num_tokens - report.num_texts  # every answer token but each text's first row
+    hidden, model = torch.cat(held_out_hidden)[:24], engine.model
+    with torch.inference_mode():
+        greedy = model.compute_logits(hidden).argmax(-1)
+        whole = head.propose(hidden, model, 3, greedy)
+        head.use_draft_vocab(256)
+        try:
+            ids = head.draft_vocab.cpu()
+            assert ids.shape == (256,) and torch.equal(ids, ids.sort().values)
+            assert counts[ids].min() >= counts[~torch.isin(torch.arange(len(counts)), ids)].max()
+            drafts = head.propose(hidden, model, 3, greedy)
+            state, token, expected = hidden, greedy, []
+            for _ in range(3):  # the chain written out: the logits of the vocabulary's tokens only
+                state = head.step(state, model.embed_tokens(token))
+                logits = torch.nn.functional.linear(state, model.lm_head.weight[head.draft_vocab])
+                token = head.draft_vocab[logits.argmax(-1)]
+                expected.append(token)
+            assert torch.equal(drafts, torch.stack(expected, dim=1))
+            assert torch.isin(drafts.cpu(), ids).all() and 0 < head.vocab_coverage() < 1
+            save_draft_heads(head, tmp_path, report.to_json())
+        finally:
+            head.use_draft_vocab(0)
+        assert torch.equal(head.propose(hidden, model, 3, greedy), whole)
+        loaded = load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)
+        assert torch.equal(loaded.propose(hidden, model, 3, greedy), drafts)
+        wider = load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype, draft_vocab=1024)
+        assert wider.draft_vocab.shape == (1024,)
+    bare = RecurrentDraftHead(3, engine.model_config.hidden_size, engine.model_config.vocab_size)
+    with pytest.raises(ValueError, match="without the training answers' token counts"):
+        bare.use_draft_vocab(16)
+    with pytest.raises(ValueError, match="at least 0"):
+        bare.use_draft_vocab(-1)
+
+
 def _greedy_chain_walk(drafts: list[list[int]], text: list[int], first_row: int, max_tokens: int) -> int:
     """Drafts a greedy chain would accept over ``text`` (prompt + output) when each step verifies the heads'
     drafts from the row that chose its newest token (``drafts[t]``: the heads' drafts from row t)."""
@@ -526,7 +611,12 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
     from tests.test_speculative import COPY_PROMPTS, _generate
 
     head, _ = recurrent_trained
-    save_draft_heads(head, tmp_path, {"test": True})
+    if rounds == 3:  # saved drafting from a draft vocabulary: the chain's and the host's drafts come from it
+        head.use_draft_vocab(256)
+    try:
+        save_draft_heads(head, tmp_path, {"test": True})
+    finally:
+        head.use_draft_vocab(0)
     # The heads next to the engine, or (three rounds) in a folder named by the configuration (--draft-heads).
     speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, head.num_heads, max_rounds=rounds,
                                     draft_heads_dir=tmp_path if rounds == 3 else None)
@@ -535,9 +625,11 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
     prompts, max_tokens = COPY_PROMPTS[:2] + PROMPTS[:3], 20
     outputs, usages, _ = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False}, max_tokens=max_tokens)
     served = [usage.num_accepted_draft_tokens for usage in usages]
+    offline = load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)  # as saved
+    assert (offline.draft_vocab is not None) == (rounds == 3)
     walked = [
         _greedy_chain_walk(drafts, text, len(prompt_ids) - 1, max_tokens)
-        for prompt_ids, text, drafts in _served_texts_and_drafts(engine, tokenizer, head, prompts, outputs)
+        for prompt_ids, text, drafts in _served_texts_and_drafts(engine, tokenizer, offline, prompts, outputs)
     ]
     assert served == walked
     assert sum(served) > 0  # the trained head gets some drafts right: the comparison is not of zeros

@@ -79,10 +79,11 @@ def test_draft_tree_flag_is_checked_before_anything_loads():
 
     from inflight.serving import speculative_config_from_args
 
-    def config(speculative: str, tree: str, heads_lookup: int = 0, draft_heads: str | None = None):
+    def config(speculative: str, tree: str, heads_lookup: int = 0, draft_heads: str | None = None,
+               draft_vocab: int | None = None):
         args = argparse.Namespace(speculative=speculative, draft_tree=tree, num_draft_tokens=4, ngram_min=2,
                                   ngram_max=4, speculative_rounds=8, draft_model=None, heads_lookup=heads_lookup,
-                                  draft_heads=draft_heads)
+                                  draft_heads=draft_heads, draft_vocab=draft_vocab)
         return speculative_config_from_args(args)
 
     assert str(config("draft_heads", "chain", draft_heads="heads").draft_heads_dir) == "heads"
@@ -98,6 +99,11 @@ def test_draft_tree_flag_is_checked_before_anything_loads():
     assert config("draft_heads", "chain", heads_lookup=2).heads_lookup == 2
     with pytest.raises(SystemExit, match="heads_lookup drafts chains: it does not combine with a draft tree"):
         config("draft_heads", "default", heads_lookup=2)
+    assert config("draft_heads", "chain", draft_vocab=0).draft_vocab == 0
+    with pytest.raises(SystemExit, match="draft_vocab needs speculative mode draft_heads, not ngram"):
+        config("ngram", "chain", draft_vocab=8192)
+    with pytest.raises(SystemExit, match=r"draft_vocab must be at least 0 \(0 = every token\), got -1"):
+        config("draft_heads", "chain", draft_vocab=-1)
 
 
 # -- attention under tree masks ----------------------------------------------------------

@@ -18,6 +18,15 @@ frozen, so neither adds a copy of the vocabulary projection:
   which independent Medusa heads cannot. W_out starts at zero, so an untrained
   block keeps the state and repeats the target's next-token prediction.
 
+Both may draft from a *draft vocabulary* (``DraftVocabulary``): the tokens the
+target used most in the training answers, whose rows of the LM head are all a
+draft's argmax reads, as FR-Spec and EAGLE-3 do. A draft outside it cannot be
+made, which costs little (the target's own answers seldom use rare tokens), and
+each draft reads a fraction of the LM head: at batch 1 that GEMV is most of a
+draft's work (49,152 x 576 for SmolLM2, 57 MB in 16 bits, against 3.9 MB for
+the recurrent head's two linears). Verification is untouched, so output stays
+the target's.
+
 The heads live next to the engine they were trained for, as safetensors plus a
 small JSON that records their kind, shape and how they were trained.
 """
@@ -37,12 +46,86 @@ from plugins.norm_torch import rms_norm
 
 HEADS_NAME = "draft_heads.safetensors"
 HEADS_META_NAME = "draft_heads.json"
-FORMAT_VERSION = 2  # 2 added "kind" (files of version 1 are Medusa heads)
+# 2 added "kind" (files of version 1 are Medusa heads); 3 the training answers' token counts ("token_counts") and
+# the draft vocabulary's size ("draft_vocab_size").
+FORMAT_VERSION = 3
 HEAD_KINDS = ("recurrent", "medusa")
 NORM_EPS = 1e-6  # the recurrent head's input norms (``input_norm``)
+COUNTS_NAME = "token_counts"  # the tensor of the training answers' token counts in the heads' file
 
 
-class DraftHeads(nn.Module):
+class DraftVocabulary:
+    """The tokens a head's drafts are chosen among (all of the target's when ``draft_vocab`` is None), for the
+    heads below: ``vocab_logits`` scores a state's rows over them, ``vocab_ids`` maps a pick back to token ids.
+
+    ``token_counts`` (how often each token was the target's next token in the training answers) ranks the
+    tokens; ``use_draft_vocab(n)`` keeps the n most frequent (ties to the lower id), in id order, so that the
+    lowest index among equal logits is also the lowest token id, as ``torch.argmax`` breaks ties over the whole
+    vocabulary."""
+
+    draft_vocab: torch.Tensor | None  # [n] int64 token ids, ascending (a buffer: it moves with the heads)
+    token_counts: torch.Tensor | None  # [V] int64 on the CPU, or None for heads trained without counting
+    vocab_size: int
+
+    def _init_vocabulary(self: nn.Module) -> None:
+        self.register_buffer("draft_vocab", None, persistent=False)
+        self.token_counts = None
+        self._vocab_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (LM head weight, its draft rows)
+
+    def use_draft_vocab(self, size: int) -> None:
+        """Draft among the ``size`` tokens the training answers used most; 0 (or the whole vocabulary): all."""
+        if size < 0:
+            raise ValueError(f"a draft vocabulary's size must be at least 0 (0 = the whole vocabulary), got {size}")
+        self._vocab_weight = None
+        if size == 0 or size >= self.vocab_size:
+            self.draft_vocab = None
+            return
+        if self.token_counts is None:
+            raise ValueError("these heads were saved without the training answers' token counts: retrain them to "
+                             "draft from a smaller vocabulary")
+        # Most frequent first, the lower id first among equals (a stable sort of ids by descending count).
+        order = torch.sort(self.token_counts, descending=True, stable=True).indices[:size]
+        device = next(iter(self.parameters())).device  # type: ignore[attr-defined]
+        self.draft_vocab = order.sort().values.to(device)
+
+    def vocab_coverage(self) -> float | None:
+        """The share of the training answers' tokens inside the draft vocabulary (None without counts)."""
+        if self.token_counts is None:
+            return None
+        total = int(self.token_counts.sum())
+        if self.draft_vocab is None or not total:
+            return 1.0 if total else None
+        return int(self.token_counts[self.draft_vocab.cpu()].sum()) / total
+
+    def vocab_logits(self, rows: torch.Tensor, model: nn.Module) -> torch.Tensor:
+        """float32 logits of ``rows`` [N, H] (the target's dtype) over the draft vocabulary: [N, n] (or [N, V])."""
+        if self.draft_vocab is None:
+            return model.compute_logits(rows)
+        weight = self.vocab_weight(model)
+        if weight is None:  # a quantized LM head keeps its own GEMM: score everything, keep the draft columns
+            return model.compute_logits(rows).index_select(-1, self.draft_vocab)
+        return model.lm_head.kernel(rows, weight).float()  # the engine's GEMM, as the LM head's own rows
+
+    def vocab_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions in ``vocab_logits``' last dimension."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def vocab_weight(self, model: nn.Module) -> torch.Tensor | None:
+        """The LM head's rows of the draft vocabulary ([n, H], gathered once per LM head weight), or None where
+        the LM head is not a plain 16-bit or float32 projection (or there is no draft vocabulary)."""
+        from executor_svc.model.llama import Linear
+
+        lm_head = getattr(model, "lm_head", None)
+        if self.draft_vocab is None or type(lm_head) is not Linear:
+            return None
+        cached = self._vocab_weight
+        if cached is None or cached[0] is not lm_head.weight:
+            rows = lm_head.weight.detach().index_select(0, self.draft_vocab).contiguous()
+            self._vocab_weight = cached = (lm_head.weight, rows)
+        return cached[1]
+
+
+class DraftHeads(DraftVocabulary, nn.Module):
     """Medusa: K residual blocks sharing the target's lm_head; all heads run as one batched matmul."""
 
     kind = "medusa"
@@ -57,6 +140,7 @@ class DraftHeads(nn.Module):
         # Stacked rather than K nn.Linear modules, so every head runs in one einsum.
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))  # [K, out, in]
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))  # [K, out]
+        self._init_vocabulary()
 
     @property
     def max_drafts(self) -> int:
@@ -82,7 +166,7 @@ class DraftHeads(nn.Module):
         """Greedy drafts of the first ``num_tokens`` heads: hidden [N, H] -> [N, num_tokens] int64."""
         if not 1 <= num_tokens <= self.num_heads:
             raise ValueError(f"num_tokens must be in [1, {self.num_heads}], got {num_tokens}")
-        return self._logits(hidden, model, num_tokens).argmax(dim=-1)
+        return self.vocab_ids(self._logits(hidden, model, num_tokens, drafting=True).argmax(dim=-1))
 
     @torch.inference_mode()
     def propose_tree(
@@ -92,21 +176,22 @@ class DraftHeads(nn.Module):
         depth d + 1, whatever the node's parent (Medusa's heads do not see earlier drafts)."""
         if not 1 <= tree.k <= self.num_heads:
             raise ValueError(f"a tree of depth {tree.k} needs at most {self.num_heads} heads")
-        logits = self._logits(hidden, model, tree.k)  # [N, k, V]
+        logits = self._logits(hidden, model, tree.k, drafting=True)  # [N, k, V or the draft vocabulary's n]
         levels = [top_ids(logits[:, d], level.width).index_select(1, level.ranks) for d, level in enumerate(tree.grow)]
-        return torch.cat(levels, dim=1)
+        return self.vocab_ids(torch.cat(levels, dim=1))
 
-    def _logits(self, hidden: torch.Tensor, model: nn.Module, k: int) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, model: nn.Module, k: int, drafting: bool = False) -> torch.Tensor:
+        """[N, k, V] float32; ``drafting``: over the draft vocabulary only (``vocab_logits``)."""
         states = self.head_states(hidden, k)  # [N, k, H]
         rows = states.reshape(-1, self.hidden_size).to(hidden.dtype)  # the lm_head runs in the target's dtype
-        logits = model.compute_logits(rows)  # [N * k, V] float32
+        logits = self.vocab_logits(rows, model) if drafting else model.compute_logits(rows)  # [N * k, V] float32
         return logits.view(hidden.shape[0], k, logits.shape[-1])
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"weight": self.weight, "bias": self.bias}
 
 
-class RecurrentDraftHead(nn.Module):
+class RecurrentDraftHead(DraftVocabulary, nn.Module):
     """One block that steps the target's hidden state forward a token at a time (EAGLE-style, no attention)."""
 
     kind = "recurrent"
@@ -135,6 +220,7 @@ class RecurrentDraftHead(nn.Module):
         if input_norm:
             self.norm_state = nn.Parameter(torch.ones(hidden_size))
             self.norm_embed = nn.Parameter(torch.ones(hidden_size))
+        self._init_vocabulary()
 
     @property
     def max_drafts(self) -> int:
@@ -184,19 +270,19 @@ class RecurrentDraftHead(nn.Module):
         if fused is not None:
             from executor_svc.speculative.heads_triton import recurrent_drafts
 
-            return recurrent_drafts(state, token, *fused, num_tokens)
+            return recurrent_drafts(state, token, *fused, num_tokens, vocab_ids=self.draft_vocab)
         drafts = []
         for _ in range(num_tokens):
             state = self.step(state, model.embed_tokens(token))
-            token = model.compute_logits(state.to(hidden.dtype)).argmax(dim=-1)
+            token = self.vocab_ids(self.vocab_logits(state.to(hidden.dtype), model).argmax(dim=-1))
             drafts.append(token)
         return torch.stack(drafts, dim=1)
 
     def _fused_parts(self, hidden: torch.Tensor, model: nn.Module) -> list[torch.Tensor] | None:
         """For a chain from ``hidden`` (in the head's dtype), the tensors ``heads_triton.recurrent_drafts`` reads
-        (the embedding, the head's four, the LM head's weight) where its kernels give this chain's drafts: on a
-        GPU, ``fused`` set, no input norms, a target whose logits are its plain 16-bit LM head's (no quantized
-        head, no soft cap) and few rows. None otherwise."""
+        (the embedding, the head's four, the LM head's weight or its draft vocabulary's rows) where its kernels
+        give this chain's drafts: on a GPU, ``fused`` set, no input norms, a target whose logits are its plain
+        16-bit LM head's (no quantized head, no soft cap) and few rows. None otherwise."""
         from executor_svc.model.llama import Linear
 
         lm_head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
@@ -208,7 +294,8 @@ class RecurrentDraftHead(nn.Module):
             return None
         from executor_svc.speculative import heads_triton
 
-        parts = [embed.weight, self.w_in, self.b_in, self.w_out, self.b_out, lm_head.weight]
+        head_rows = lm_head.weight if self.draft_vocab is None else self.vocab_weight(model)
+        parts = [embed.weight, self.w_in, self.b_in, self.w_out, self.b_out, head_rows]
         return parts if heads_triton.fits(hidden, parts) else None
 
     @torch.inference_mode()
@@ -226,8 +313,8 @@ class RecurrentDraftHead(nn.Module):
         states = self.step(hidden.to(self.w_in.dtype), model.embed_tokens(next_tokens))[:, None]  # the root's: [N, 1, H]
         levels = []
         for d, level in enumerate(tree.grow):
-            logits = model.compute_logits(states.reshape(-1, dim).to(hidden.dtype)).view(n, states.shape[1], -1)
-            guesses = top_ids(logits, level.width)  # [N, expanding, width]
+            logits = self.vocab_logits(states.reshape(-1, dim).to(hidden.dtype), model).view(n, states.shape[1], -1)
+            guesses = self.vocab_ids(top_ids(logits, level.width))  # [N, expanding, width] token ids
             tokens = guesses[:, level.parent_pos, level.ranks]  # [N, level's nodes]
             levels.append(tokens)
             if d + 1 < len(tree.grow):  # the next level's expanding nodes step their parent's state
@@ -270,10 +357,14 @@ def save_draft_heads(heads: AnyDraftHeads, engine_dir: Path, meta: dict) -> Path
     """Write ``heads`` (float32) and a JSON of their kind, shape and ``meta`` next to the engine; the weights' path."""
     path = heads_path(engine_dir)
     tensors = {name: t.detach().float().cpu().contiguous() for name, t in heads.tensors().items()}
+    if heads.token_counts is not None:
+        tensors[COUNTS_NAME] = heads.token_counts.to(torch.int64).cpu().contiguous()
     save_file(tensors, str(path), metadata={"format": str(FORMAT_VERSION), "kind": heads.kind})
     summary = {
         "format": FORMAT_VERSION, "kind": heads.kind, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
         "vocab_size": heads.vocab_size, "weights": HEADS_NAME, "training": meta,
+        # Drafts come from this many of the most frequent tokens of the training answers (0: every token).
+        "draft_vocab_size": 0 if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
     }
     if isinstance(heads, RecurrentDraftHead):
         summary["intermediate_size"] = heads.intermediate_size
@@ -290,13 +381,17 @@ def read_heads_meta(engine_dir: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype: torch.dtype) -> AnyDraftHeads:
+def load_draft_heads(
+    engine_dir: Path, model_config, device: torch.device, dtype: torch.dtype, draft_vocab: int | None = None,
+) -> AnyDraftHeads:
     """The heads saved in ``engine_dir`` (the engine's folder, or one of their own), checked against
-    ``model_config`` and cast to ``dtype`` on ``device``.
+    ``model_config`` and cast to ``dtype`` on ``device``; ``draft_vocab``: draft among that many of the training
+    answers' most frequent tokens (0: all of them; None: as saved).
 
     Raises FileNotFoundError when there are none, ValueError when they were
-    trained for a model of another hidden size or vocabulary, or the file is
-    not a draft heads file.
+    trained for a model of another hidden size or vocabulary, the file is not
+    a draft heads file (or is of a newer format), or a draft vocabulary is
+    asked of heads saved without token counts.
     """
     path = heads_path(engine_dir)
     if not path.is_file():
@@ -304,7 +399,11 @@ def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype
                                 f"which saves them in the engine's folder, or with `--output {engine_dir}`")
     meta = read_heads_meta(engine_dir)
     kind = meta.get("kind", "medusa")  # format 1 had only Medusa heads
+    if int(meta.get("format", 1)) > FORMAT_VERSION:
+        raise ValueError(f"{path} was written in draft heads format {meta['format']}; this version reads up to "
+                         f"{FORMAT_VERSION}: upgrade inflight or retrain the heads")
     tensors = load_file(str(path))
+    counts = tensors.pop(COUNTS_NAME, None)
     hidden_size, vocab_size = int(meta.get("hidden_size", -1)), int(meta.get("vocab_size", -1))
     if hidden_size != model_config.hidden_size or vocab_size != model_config.vocab_size:
         raise ValueError(
@@ -324,4 +423,10 @@ def load_draft_heads(engine_dir: Path, model_config, device: torch.device, dtype
     if found != expected:
         raise ValueError(f"{path} is not a {kind} draft heads file: tensors {found}, expected {expected}")
     heads.load_state_dict(tensors)
-    return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if counts is not None:
+        if tuple(counts.shape) != (vocab_size,):
+            raise ValueError(f"{path}: token counts of shape {tuple(counts.shape)}, expected ({vocab_size},)")
+        heads.token_counts = counts.to(torch.int64)
+    heads.use_draft_vocab(int(meta.get("draft_vocab_size", 0)) if draft_vocab is None else draft_vocab)
+    return heads

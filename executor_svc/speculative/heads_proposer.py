@@ -41,7 +41,7 @@ class HeadsProposer:
     def load(cls, engine) -> HeadsProposer:  # engine: executor_svc.engine.Engine
         spec = engine.speculative
         folder = spec.draft_heads_dir if spec.draft_heads_dir is not None else engine.engine_dir
-        heads = load_draft_heads(folder, engine.model_config, engine.device, engine.dtype)
+        heads = load_draft_heads(folder, engine.model_config, engine.device, engine.dtype, spec.draft_vocab)
         return cls(heads, engine.model, (spec.heads_lookup, spec.ngram_max) if spec.heads_lookup else None)
 
     @property

@@ -16,6 +16,8 @@ draft is:
   vocabulary and that block's best token, so the logits are never written;
   the row's last block to finish (an atomic count) picks the best of the
   blocks' and writes the draft, which the next draft's first kernel reads.
+  With a draft vocabulary (``draft_heads.DraftVocabulary``) the GEMV reads
+  only its rows of the LM head, and the pick is mapped to its token id.
 
 Every value is rounded where torch's kernels round it (each linear's output,
 the SiLU, the residual sum, the 16-bit logits before the argmax), and ties go
@@ -142,10 +144,13 @@ def _head_out_kernel(
 
 @triton.jit(do_not_specialize=["stride_drafts", "column"])
 def _lm_head_argmax_kernel(
-    state_ptr, weight_ptr, best_value_ptr, best_index_ptr, count_ptr, drafts_ptr,
+    state_ptr, weight_ptr, ids_ptr, best_value_ptr, best_index_ptr, count_ptr, drafts_ptr,
     stride_weight, stride_drafts, column, H, VOCAB, NUM_BLOCKS,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_BLOCKS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_BLOCKS: tl.constexpr, HAS_IDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # ``weight`` holds VOCAB rows: the whole LM head, or with HAS_IDS the rows of the token ids at ``ids_ptr``
+    # (ascending, so the lowest row among equal logits is also the lowest id).
     row = tl.program_id(0)  # rows vary fastest: one weight tile's programs run together and share it in L2
     block = tl.program_id(1)
     v = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -171,6 +176,8 @@ def _lm_head_argmax_kernel(
         indices = tl.load(best_index_ptr + row * NUM_BLOCKS + b, mask=ok, other=VOCAB, cache_modifier=".cg")
         top = tl.max(values, axis=0)
         token = tl.min(tl.where(values == top, indices, VOCAB), axis=0)
+        if HAS_IDS:
+            token = tl.load(ids_ptr + token)
         tl.store(drafts_ptr + row * stride_drafts + column, token.to(tl.int64))
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next draft
 
@@ -191,9 +198,10 @@ def recurrent_drafts(
     next_tokens: torch.Tensor,  # [N] int64
     embed: torch.Tensor,  # [V, H] the target's token embedding
     w_in: torch.Tensor, b_in: torch.Tensor, w_out: torch.Tensor, b_out: torch.Tensor,  # the head
-    lm_weight: torch.Tensor,  # [V, H] the target's LM head
+    lm_weight: torch.Tensor,  # [V, H] the target's LM head, or [n, H] its rows of vocab_ids
     num_tokens: int,
     config: ChainConfig | None = None,
+    vocab_ids: torch.Tensor | None = None,  # [n] int64 ascending: the token ids of lm_weight's rows (None: 0..V-1)
 ) -> torch.Tensor:  # [N, num_tokens] int64
     """The greedy chain of ``num_tokens`` drafts (``RecurrentDraftHead.propose``'s), with no host sync."""
     c = config or DEFAULT_CONFIG
@@ -228,9 +236,10 @@ def recurrent_drafts(
             num_warps=c.warps_hidden, **pdl,
         )
         _lm_head_argmax_kernel[(rows, num_blocks)](
-            state, lm_weight, best_value, best_index, counts, drafts,
+            state, lm_weight, best_index if vocab_ids is None else vocab_ids, best_value, best_index, counts, drafts,
             lm_weight.stride(0), num_tokens, step, dim, vocab, num_blocks,
             BLOCK_N=c.block_vocab, BLOCK_K=min(c.block_k_vocab, triton.next_power_of_2(dim)),
-            BLOCK_BLOCKS=triton.next_power_of_2(num_blocks), num_warps=c.warps_vocab, **pdl,
+            BLOCK_BLOCKS=triton.next_power_of_2(num_blocks), HAS_IDS=vocab_ids is not None,
+            num_warps=c.warps_vocab, **pdl,
         )
     return drafts

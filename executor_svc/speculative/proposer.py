@@ -58,6 +58,9 @@ class SpeculativeConfig:
     heads_lookup: int = 0
     # DRAFT_HEADS: the folder whose heads draft (``inflight train-draft --output``); None: the engine's own.
     draft_heads_dir: Path | None = None
+    # DRAFT_HEADS: draft among this many of the training answers' most used tokens (``DraftVocabulary``);
+    # 0: every token; None: what the heads were saved with.
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens is None:
@@ -71,6 +74,11 @@ class SpeculativeConfig:
         if self.draft_heads_dir is not None and self.mode is not SpeculativeMode.DRAFT_HEADS:
             raise ValueError("a draft heads folder needs speculative mode draft_heads, "
                              f"not {self.mode.value or 'none'}")
+        if self.draft_vocab is not None:
+            if self.mode is not SpeculativeMode.DRAFT_HEADS:
+                raise ValueError(f"draft_vocab needs speculative mode draft_heads, not {self.mode.value or 'none'}")
+            if self.draft_vocab < 0:
+                raise ValueError(f"draft_vocab must be at least 0 (0 = every token), got {self.draft_vocab}")
         if self.heads_lookup:
             if self.mode is not SpeculativeMode.DRAFT_HEADS:
                 raise ValueError(f"heads_lookup needs speculative mode draft_heads, not {self.mode.value or 'none'}")

@@ -94,6 +94,8 @@ class DistillConfig:
     intermediate_size: int = 0  # recurrent head: width of its block (0 = twice the hidden size)
     input_norm: bool = False  # recurrent head: RMS-normalise the block's inputs (state and token embedding)
     num_eval_texts: int = 32  # held-out texts for the agreement report
+    # Drafts come from this many of the tokens the training answers use most (``DraftVocabulary``); 0: every token.
+    draft_vocab: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -118,6 +120,8 @@ class DistillConfig:
                              f"got {self.intermediate_size}")
         if self.hidden_loss_weight < 0:
             raise ValueError(f"hidden_loss_weight must be at least 0, got {self.hidden_loss_weight}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"draft_vocab must be at least 0 (0 = every token), got {self.draft_vocab}")
 
 
 @dataclass(slots=True)
@@ -143,6 +147,11 @@ class DistillReport:
     # The same per round of a walk that verifies each text as serving does (``Agreement.walk_accepted``).
     walk_accepted_before: float = 0.0
     walk_accepted_after: float = 0.0
+    # The draft vocabulary (0: every token), the share of the training answers' tokens in it, and the trained
+    # heads' walk with every token to draft from, for what the smaller vocabulary costs.
+    draft_vocab_size: int = 0
+    draft_vocab_coverage: float = 1.0
+    walk_accepted_whole_vocab: float = 0.0
     seconds: float = 0.0
 
     def to_json(self) -> dict:
@@ -191,6 +200,10 @@ def fit_heads(engine, config: DistillConfig, data: DistillData, progress: bool =
     heads = heads.to(engine.device)  # trained in float32 whatever the target's dtype
     report = DistillReport(config.kind, data.data, len(data.hidden), sum(h.shape[0] for h in data.hidden),
                            config.self_generate, config.epochs, config.lr, eval_data=data.eval_data)
+    heads.token_counts = answer_token_counts(data.tokens, config_model.vocab_size)
+    heads.use_draft_vocab(config.draft_vocab)
+    report.draft_vocab_size = 0 if heads.draft_vocab is None else int(heads.draft_vocab.numel())
+    report.draft_vocab_coverage = round(heads.vocab_coverage() or 1.0, 4)
     before = head_agreement(heads, engine.model, data.eval_hidden)
     report.agreement_before, report.eval_positions = before.per_draft, before.positions
     report.mean_accepted_before, report.walk_accepted_before = before.mean_accepted, before.walk_accepted
@@ -198,8 +211,22 @@ def fit_heads(engine, config: DistillConfig, data: DistillData, progress: bool =
     after = head_agreement(heads, engine.model, data.eval_hidden)
     report.agreement_after, report.mean_accepted_after, report.walk_accepted_after = (
         after.per_draft, after.mean_accepted, after.walk_accepted)
+    report.walk_accepted_whole_vocab = after.walk_accepted
+    if heads.draft_vocab is not None:
+        heads.use_draft_vocab(0)
+        report.walk_accepted_whole_vocab = head_agreement(heads, engine.model, data.eval_hidden).walk_accepted
+        heads.use_draft_vocab(config.draft_vocab)
     report.seconds = round(time.perf_counter() - began, 1)
     return heads.eval().requires_grad_(False), report
+
+
+def answer_token_counts(token_lists: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """How often each token id is the target's next token in the training texts ([vocab_size] int64 on the CPU):
+    every token of each text but its first (the row that chose the answer's first token)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for tokens in token_lists:
+        counts += torch.bincount(tokens[1:].cpu(), minlength=vocab_size)[:vocab_size]
+    return counts
 
 
 def distill_heads(engine, config: DistillConfig, progress: bool = True) -> tuple[AnyDraftHeads, DistillReport]:
