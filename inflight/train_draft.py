@@ -56,7 +56,8 @@ def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="held-out texts for the agreement report")
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, metavar="N",
                    help="draft from the N tokens the training answers use most, reading only their rows of the LM "
-                        "head (0 = every token); serving may change it (--draft-vocab)")
+                        "head (0 = every token; the report says how many of the answers' tokens they cover); "
+                        "serving may change it (--draft-vocab)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: the engine's device")
     return p

@@ -379,8 +379,10 @@ def _torch_chain(head: RecurrentDraftHead, hidden, model, num_tokens: int, first
         head.fused = True
 
 
-def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_trained, held_out_hidden):
-    """The four-kernel chain (interpreted on a CPU) against torch's, on the real target and a trained head."""
+@pytest.mark.parametrize("vocab", [0, 256])
+def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_trained, held_out_hidden, vocab):
+    """The four-kernel chain (interpreted on a CPU) against torch's, on the real target and a trained head,
+    drafting from every token and from a draft vocabulary of 256."""
     from executor_svc.speculative import heads_triton
 
     # The interpreter runs one program at a time: on a CPU, fewer and wider blocks.
@@ -388,28 +390,41 @@ def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_train
     head, _ = recurrent_trained
     model = engine.model
     hidden = held_out_hidden[2][5:7]  # two rows
-    with torch.inference_mode():
-        first = model.compute_logits(hidden).argmax(-1)
-        parts = (model.embed_tokens.weight, head.w_in, head.b_in, head.w_out, head.b_out, model.lm_head.weight)
-        assert heads_triton.fits(hidden, list(parts))
-        got = heads_triton.recurrent_drafts(hidden, first, *parts, 3, config)  # one row is the odd-shapes test's
-        assert torch.equal(got, _torch_chain(head, hidden, model, 3, first))
+    trained_with = 0 if head.draft_vocab is None else head.draft_vocab.numel()
+    head.use_draft_vocab(vocab)
+    try:
+        with torch.inference_mode():
+            first = model.compute_logits(hidden).argmax(-1)
+            head_rows = model.lm_head.weight if vocab == 0 else head.vocab_weight(model)
+            parts = (model.embed_tokens.weight, head.w_in, head.b_in, head.w_out, head.b_out, head_rows)
+            assert heads_triton.fits(hidden, list(parts))
+            # One row is the odd-shapes test's.
+            got = heads_triton.recurrent_drafts(hidden, first, *parts, 3, config, vocab_ids=head.draft_vocab)
+            assert torch.equal(got, _torch_chain(head, hidden, model, 3, first))
+    finally:
+        head.use_draft_vocab(trained_with)
     assert not heads_triton.fits(hidden[:1].expand(heads_triton.MAX_ROWS + 1, -1).contiguous(), list(parts))
     assert not heads_triton.fits(hidden.half(), list(parts))
+
+
+def _odd_shaped_chain(seed: int, max_drafts: int):
+    """A random recurrent head, embedding and LM head of sizes that fill no block exactly (hidden 40, inner 76,
+    vocabulary 101): (generator, head, embed, lm) with ``generator`` ready for the test's own draws."""
+    gen = torch.Generator().manual_seed(seed)
+    dim, inner, vocab = 40, 76, 101
+    head = RecurrentDraftHead(max_drafts, dim, vocab, intermediate_size=inner)
+    with torch.no_grad():
+        for p in (head.w_in, head.b_in, head.w_out, head.b_out):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return gen, head, torch.randn(vocab, dim, generator=gen), torch.randn(vocab, dim, generator=gen)
 
 
 def test_triton_chain_on_odd_shapes_and_ties():
     """Sizes that fill no block exactly, and logits tied exactly (the lowest token id wins, as torch.argmax)."""
     from executor_svc.speculative import heads_triton
 
-    gen = torch.Generator().manual_seed(3)
-    dim, inner, vocab = 40, 76, 101
-    head = RecurrentDraftHead(4, dim, vocab, intermediate_size=inner)
-    with torch.no_grad():
-        for p in (head.w_in, head.b_in, head.w_out, head.b_out):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    embed = torch.randn(vocab, dim, generator=gen)
-    lm = torch.randn(vocab, dim, generator=gen)
+    gen, head, embed, lm = _odd_shaped_chain(3, 4)
+    dim, vocab = lm.shape[1], lm.shape[0]
     lm[70:] = lm[30:61]  # ids 70..100 repeat 30..60: every one of those logits ties with a lower id
     hidden = torch.randn(5, dim, generator=gen)
     first = torch.randint(0, vocab, (5,), generator=gen)
@@ -441,14 +456,8 @@ def test_triton_chain_drafts_from_a_draft_vocabulary():
     the argmax over the vocabulary's ids (ties to the lowest id), as the torch chain restricted to them."""
     from executor_svc.speculative import heads_triton
 
-    gen = torch.Generator().manual_seed(5)
-    dim, inner, vocab = 40, 76, 101
-    head = RecurrentDraftHead(3, dim, vocab, intermediate_size=inner)
-    with torch.no_grad():
-        for p in (head.w_in, head.b_in, head.w_out, head.b_out):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    embed = torch.randn(vocab, dim, generator=gen)
-    lm = torch.randn(vocab, dim, generator=gen)
+    gen, head, embed, lm = _odd_shaped_chain(5, 3)
+    dim, vocab = lm.shape[1], lm.shape[0]
     lm[90:] = lm[20:31]  # ids 90..100 tie with 20..30
     ids = torch.tensor(sorted(set(range(0, 101, 3)) | set(range(20, 31)) | set(range(90, 101))))
     hidden = torch.randn(3, dim, generator=gen)
@@ -478,7 +487,9 @@ def test_draft_vocabulary_keeps_the_most_used_tokens_and_drafts_only_those(engin
     assert counts is not None and counts.shape == (engine.model_config.vocab_size,)
     assert int(counts.sum()) == report.num_tokens - report.num_texts  # every answer token but each text's first row
     hidden, model = torch.cat(held_out_hidden)[:24], engine.model
+    trained_with = 0 if head.draft_vocab is None else head.draft_vocab.numel()
     with torch.inference_mode():
+        head.use_draft_vocab(0)
         greedy = model.compute_logits(hidden).argmax(-1)
         whole = head.propose(hidden, model, 3, greedy)
         head.use_draft_vocab(256)
@@ -496,9 +507,10 @@ def test_draft_vocabulary_keeps_the_most_used_tokens_and_drafts_only_those(engin
             assert torch.equal(drafts, torch.stack(expected, dim=1))
             assert torch.isin(drafts.cpu(), ids).all() and 0 < head.vocab_coverage() < 1
             save_draft_heads(head, tmp_path, report.to_json())
-        finally:
             head.use_draft_vocab(0)
-        assert torch.equal(head.propose(hidden, model, 3, greedy), whole)
+            assert torch.equal(head.propose(hidden, model, 3, greedy), whole)
+        finally:
+            head.use_draft_vocab(trained_with)
         loaded = load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype)
         assert torch.equal(loaded.propose(hidden, model, 3, greedy), drafts)
         wider = load_draft_heads(tmp_path, engine.model_config, engine.device, engine.dtype, draft_vocab=1024)
@@ -611,12 +623,14 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
     from tests.test_speculative import COPY_PROMPTS, _generate
 
     head, _ = recurrent_trained
-    if rounds == 3:  # saved drafting from a draft vocabulary: the chain's and the host's drafts come from it
-        head.use_draft_vocab(256)
+    trained_with = 0 if head.draft_vocab is None else head.draft_vocab.numel()
+    # Saved drafting from every token, or (three rounds) from a draft vocabulary of 256: the chain's and the
+    # host's drafts come from it.
+    head.use_draft_vocab(256 if rounds == 3 else 0)
     try:
         save_draft_heads(head, tmp_path, {"test": True})
     finally:
-        head.use_draft_vocab(0)
+        head.use_draft_vocab(trained_with)
     # The heads next to the engine, or (three rounds) in a folder named by the configuration (--draft-heads).
     speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, head.num_heads, max_rounds=rounds,
                                     draft_heads_dir=tmp_path if rounds == 3 else None)
