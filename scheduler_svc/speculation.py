@@ -100,6 +100,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from itertools import accumulate
+from operator import mul
 from dataclasses import dataclass, field
 
 log = logging.getLogger("inflight.scheduler")
@@ -204,6 +206,18 @@ def expected_accepted(rate: float, k: int, continuation: float | None = None,
         return total
     later = rate if continuation is None else continuation
     return rate * sum(later**j for j in range(k))
+
+
+def accepted_curve(rate: float, k: int, continuation: float | None = None,
+                   position_rates: list[float] | None = None, length: int | None = None) -> list[float]:
+    """``expected_accepted`` at every chain length 0..k in one pass: ``[0, E(1), ..., E(k)]``, held at E(k) up to
+    ``length`` + 1 entries when given (a request that verifies at most k drafts whatever K)."""
+    if position_rates is not None:
+        rates = position_rates[:k] + position_rates[-1:] * (k - len(position_rates))
+    else:
+        rates = [rate] + [rate if continuation is None else continuation] * (k - 1) if k else []
+    curve = [0.0, *accumulate(accumulate(rates, mul))]
+    return curve + curve[-1:] * ((length or k) - k)
 
 
 def _bucket(num_tokens: int) -> int:
@@ -403,23 +417,32 @@ class DraftLengthPolicy:
             self.choices[0] += 1
             return 0
         best_k, best, best_tokens = 0, -1.0, base
-        estimates = []
-        for k in range(self.max_draft_tokens + 1):
-            drafts = [min(k, c.num_drafts) for c in candidates]
-            seconds = self._cost(k, base + sum(drafts))
+        estimates, debug = [], log.isEnabledFor(logging.DEBUG)
+        # Each candidate's expected accepted drafts at every K, computed once and summed by K: pricing every K
+        # from scratch cost O(candidates x K^2) a step (5.8 ms for 256 candidates and K = 15 on a CPU core).
+        top = self.max_draft_tokens
+        caps = [min(c.num_drafts, top) for c in candidates]
+        by_k = list(zip(*(accepted_curve(c.rate, cap, c.continuation, c.position_rates, top)
+                          for c, cap in zip(candidates, caps))))  # [K + 1] tuples of every candidate's E(min(K, cap))
+        cap_counts = Counter(caps)
+        drafts, reaching = 0, len(caps)  # drafts verified at K = k; candidates that verify a k-th draft
+        for k in range(top + 1):
+            if k:
+                reaching -= cap_counts[k - 1]
+                drafts += reaching
+            seconds = self._cost(k, base + drafts)
             if seconds is None:  # nothing measured yet: speculate fully once and learn
                 best_k, self.trial = self.max_draft_tokens, True
                 break
-            gains = [1 + expected_accepted(c.rate, d, c.continuation, c.position_rates)
-                     for c, d in zip(candidates, drafts)]
             if draining:  # the request that gains least; one without drafts gains one token a step
-                tokens = min(gains + [1.0] * bool(other_tokens))
+                tokens = 1.0 if other_tokens else 1 + min(by_k[k])
             else:
-                tokens = sum(gains)
+                tokens = len(candidates) + sum(by_k[k])
             goodput = tokens / max(seconds, 1e-9)
-            estimates.append(f"K={k}: {goodput:.0f} tok/s")
+            if debug:
+                estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly
-                best_k, best, best_tokens = k, goodput, base + sum(drafts)
+                best_k, best, best_tokens = k, goodput, base + drafts
         if best_k > 0 and self._chainable:  # a chain of a size past every measured one is priced by a guess
             self.trial = self.trial or not self.chained_costs.covers(best_tokens)
         self._schedule_probes(best_k)
@@ -428,7 +451,7 @@ class DraftLengthPolicy:
             if room > 0:  # off, but probing: verify one draft so the cost of speculating is measured again
                 best_k, self.trial = 1, True
                 self.verify_limit = room if room < len(candidates) else None
-        if log.isEnabledFor(logging.DEBUG):
+        if debug:
             log.debug("draft length %d for %d requests with drafts (%s)", best_k, len(candidates), ", ".join(estimates))
         self.last_k = best_k
         self.choices[best_k] += 1

@@ -936,6 +936,23 @@ def test_acceptance_by_position_sees_drafts_of_two_kinds():
     assert padded.position_rates(8)[4] < 0.1 and max(padded.position_rates(8)[5:]) < 0.1
 
 
+def test_accepted_curve_is_expected_accepted_at_every_length():
+    """The policy prices every draft length from one curve per candidate: the same numbers as expected_accepted
+    at each length, held at the candidate's own most drafts past them."""
+    import random
+
+    from scheduler_svc.speculation import accepted_curve
+
+    rng = random.Random(1)
+    for _ in range(300):
+        k, top = rng.randint(0, 8), 8
+        rate, continuation = rng.random(), rng.choice([None, rng.random()])
+        rates = rng.choice([None, [rng.random() for _ in range(rng.randint(1, 12))]])
+        curve = accepted_curve(rate, k, continuation, rates, top)
+        assert len(curve) == top + 1
+        assert curve == pytest.approx([expected_accepted(rate, min(d, k), continuation, rates) for d in range(top + 1)])
+
+
 def test_acceptance_by_position_chooses_the_chain_length_that_pays():
     """Rounds of 9 rows cost 5% more than rounds of 5. Where copies follow the heads' four guesses, eight drafts
     pay; where nothing does (the slots past four are padding), four do. The pooled continuation never sees a padded
