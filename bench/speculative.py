@@ -145,7 +145,8 @@ def _mode_config(name: str, args):
                              heads_lookup=getattr(args, "heads_lookup", 0), draft_vocab=getattr(args, "draft_vocab", None))
 
 
-TRACE_LIMIT = 4000  # policy events kept per mode (--trace-policy)
+TRACE_LIMIT = 4000  # policy events kept per run of a mode (--trace-policy)
+TRACE_CANDIDATES = 8  # a choice among more candidates than this is traced as a summary
 
 
 def _trace_policy(policy) -> list[dict]:
@@ -155,9 +156,16 @@ def _trace_policy(policy) -> list[dict]:
 
     def traced_choose(candidates, other_tokens, draining=False, chainable=False, asked=False):
         k = choose(candidates, other_tokens, draining=draining, chainable=chainable, asked=asked)
-        events.append({"at": time.perf_counter(), "choose": k, "trial": policy.trial, "chainable": chainable,
-                       "candidates": [[c.num_drafts, round(c.rate, 3),
-                                       [round(r, 3) for r in c.position_rates or []]] for c in candidates]})
+        event = {"at": time.perf_counter(), "choose": k, "trial": policy.trial, "chainable": chainable,
+                 "draining": draining, "other_tokens": other_tokens}
+        if len(candidates) <= TRACE_CANDIDATES:
+            event["candidates"] = [[c.num_drafts, round(c.rate, 3), [round(r, 3) for r in c.position_rates or []]]
+                                   for c in candidates]
+        else:  # a batch's worth: how many, their most drafts, and their mean first-draft rate
+            event["num_candidates"] = len(candidates)
+            event["most_drafts"] = max(c.num_drafts for c in candidates)
+            event["mean_rate"] = round(sum(c.rate for c in candidates) / len(candidates), 3)
+        events.append(event)
         return k
 
     def traced_observe(num_tokens, wall_seconds, overlapped, executor_seconds, plain=True, chained=False, rounds=1):
@@ -383,7 +391,10 @@ def run_generate(args) -> dict:
                 await _run(async_engine, requests_of(8), f"{mode} batch {batch} warm-up")
                 host_before = {**async_engine.host_seconds, **executor.runner.host_seconds}
                 cpu_before = {**async_engine.host_cpu_seconds, **executor.runner.host_cpu_seconds}
+                traced_from = len(trace) if trace is not None else 0
                 run = await _run(async_engine, requests_of(args.batch_max_tokens), f"{mode} batch {batch}")
+                if trace is not None:
+                    run["policy_trace"] = trace[traced_from : traced_from + TRACE_LIMIT]
                 run.pop("outputs")
                 host_after = {**async_engine.host_seconds, **executor.runner.host_seconds}
                 cpu_after = {**async_engine.host_cpu_seconds, **executor.runner.host_cpu_seconds}
@@ -606,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
                           "own; a mode with the setting headsN serves the N-th such set (repeatable)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     gen.add_argument("--trace-policy", action="store_true",
-                     help="batch 1: record every draft length the policy chose and every step cost it learned from")
+                     help="record every draft length the policy chose and every step cost it learned from, at batch "
+                          "1 and in each larger batch's run (choices among many requests as a summary)")
     cost = sub.add_parser("verify-cost", help="verify-k step time against a plain step (random weights)")
     cost.add_argument("--shape", default="llama-3.1-8b", help="target: a known shape (random weights) or a checkpoint")
     cost.add_argument("--draft-shape", default="llama-3.2-1b", help="draft: a known shape or checkpoint; none = verify only")

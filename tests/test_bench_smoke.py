@@ -262,8 +262,8 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
     out = tmp_path / "spec.json"
     cmd = [
         sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--shape", "tiny-host", "--device", "cpu",
-        "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1", "--modes", "none,ngram,ngram:k6:min1:stop0",
-        "--output", str(out),
+        "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1,2", "--batch-max-tokens", "6",
+        "--modes", "none,ngram,ngram:k6:min1:stop0", "--trace-policy", "--output", str(out),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
@@ -271,10 +271,13 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
     result = json.loads(out.read_text())
     assert list(result["modes"]) == ["none", "ngram", "ngram:k6:min1:stop0"]
     assert result["engine"]["max_batch_size"] >= 7  # one request's rows at the largest draft length of any mode
-    for mode in result["modes"].values():
+    for name, mode in result["modes"].items():
         assert mode["batch1"]["output_tokens"] > 0 and "speedup" in mode["batch1"]
+        if name != "none":  # the policy's trace, at batch 1 and in the batch-2 run: the step costs it learned from
+            for run in (mode["batch1"], mode["batch2"]):
+                assert any("tokens" in event for event in run["policy_trace"])
 
-    bad = subprocess.run([*cmd[:-2], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
+    bad = subprocess.run([*cmd[:-5], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=190)
     assert bad.returncode != 0 and "unknown setting 'q3'" in bad.stderr
 
