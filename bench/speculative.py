@@ -142,7 +142,8 @@ def _mode_config(name: str, args):
     tree = parse_tree(args.draft_tree) if name == "draft_heads_tree" else None
     return SpeculativeConfig(mode, args.num_draft_tokens, args.ngram_min, args.ngram_max, max_rounds=rounds,
                              draft_tree=tree, end_rounds_early=bool(getattr(args, "end_rounds_early", 1)),
-                             heads_lookup=getattr(args, "heads_lookup", 0), draft_vocab=getattr(args, "draft_vocab", None))
+                             heads_lookup=getattr(args, "heads_lookup", 0),
+                             draft_vocab=getattr(args, "draft_vocab", None))
 
 
 TRACE_LIMIT = 4000  # policy events kept per run of a mode (--trace-policy)
