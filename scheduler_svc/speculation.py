@@ -100,9 +100,9 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import mul
-from dataclasses import dataclass, field
 
 log = logging.getLogger("inflight.scheduler")
 
