@@ -390,7 +390,7 @@ def test_triton_chain_drafts_what_the_torch_chain_drafts(engine, recurrent_train
     head, _ = recurrent_trained
     model = engine.model
     hidden = held_out_hidden[2][5:7]  # two rows
-    trained_with = 0 if head.draft_vocab is None else head.draft_vocab.numel()
+    trained_with = head.draft_vocab_size
     head.use_draft_vocab(vocab)
     try:
         with torch.inference_mode():
@@ -487,7 +487,7 @@ def test_draft_vocabulary_keeps_the_most_used_tokens_and_drafts_only_those(engin
     assert counts is not None and counts.shape == (engine.model_config.vocab_size,)
     assert int(counts.sum()) == report.num_tokens - report.num_texts  # every answer token but each text's first row
     hidden, model = torch.cat(held_out_hidden)[:24], engine.model
-    trained_with = 0 if head.draft_vocab is None else head.draft_vocab.numel()
+    trained_with = head.draft_vocab_size
     with torch.inference_mode():
         head.use_draft_vocab(0)
         greedy = model.compute_logits(hidden).argmax(-1)
@@ -623,7 +623,7 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
     from tests.test_speculative import COPY_PROMPTS, _generate
 
     head, _ = recurrent_trained
-    trained_with = 0 if head.draft_vocab is None else head.draft_vocab.numel()
+    trained_with = head.draft_vocab_size
     # Saved drafting from every token, or (three rounds) from a draft vocabulary of 256: the chain's and the
     # host's drafts come from it.
     head.use_draft_vocab(256 if rounds == 3 else 0)

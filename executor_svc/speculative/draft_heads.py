@@ -72,6 +72,11 @@ class DraftVocabulary:
         self.token_counts = None
         self._vocab_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (LM head weight, its draft rows)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the drafts are chosen among; 0 when it is the whole vocabulary."""
+        return 0 if self.draft_vocab is None else int(self.draft_vocab.numel())
+
     def use_draft_vocab(self, size: int) -> None:
         """Draft among the ``size`` tokens the training answers used most; 0 (or the whole vocabulary): all."""
         if size < 0:
@@ -364,7 +369,7 @@ def save_draft_heads(heads: AnyDraftHeads, engine_dir: Path, meta: dict) -> Path
         "format": FORMAT_VERSION, "kind": heads.kind, "num_heads": heads.num_heads, "hidden_size": heads.hidden_size,
         "vocab_size": heads.vocab_size, "weights": HEADS_NAME, "training": meta,
         # Drafts come from this many of the most frequent tokens of the training answers (0: every token).
-        "draft_vocab_size": 0 if heads.draft_vocab is None else int(heads.draft_vocab.numel()),
+        "draft_vocab_size": heads.draft_vocab_size,
     }
     if isinstance(heads, RecurrentDraftHead):
         summary["intermediate_size"] = heads.intermediate_size

@@ -205,7 +205,7 @@ def fit_heads(engine, config: DistillConfig, data: DistillData, progress: bool =
                            config.self_generate, config.epochs, config.lr, eval_data=data.eval_data)
     heads.token_counts = answer_token_counts(data.tokens, config_model.vocab_size)
     heads.use_draft_vocab(config.draft_vocab)
-    report.draft_vocab_size = 0 if heads.draft_vocab is None else int(heads.draft_vocab.numel())
+    report.draft_vocab_size = heads.draft_vocab_size
     report.draft_vocab_coverage = round(heads.vocab_coverage() or 1.0, 4)
     before = head_agreement(heads, engine.model, data.eval_hidden)
     report.agreement_before, report.eval_positions = before.per_draft, before.positions
@@ -215,10 +215,10 @@ def fit_heads(engine, config: DistillConfig, data: DistillData, progress: bool =
     report.agreement_after, report.mean_accepted_after, report.walk_accepted_after = (
         after.per_draft, after.mean_accepted, after.walk_accepted)
     report.walk_accepted_whole_vocab = after.walk_accepted
-    if heads.draft_vocab is not None:
+    if report.draft_vocab_size:
         heads.use_draft_vocab(0)
         report.walk_accepted_whole_vocab = head_agreement(heads, engine.model, data.eval_hidden).walk_accepted
-        heads.use_draft_vocab(config.draft_vocab)
+        heads.use_draft_vocab(report.draft_vocab_size)
     report.seconds = round(time.perf_counter() - began, 1)
     return heads.eval().requires_grad_(False), report
 
