@@ -59,17 +59,25 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         return self.flush()
 
-    def next_windows(self, token: int) -> tuple[list[int], list[int]]:
-        """Take one new token; the two windows to decode for it (see ``take_decoded``).
+    def next_windows(self, *tokens: int) -> tuple[list[int], list[int]]:
+        """Take new tokens; the two windows to decode for them (see ``take_decoded``).
 
         Splitting the decode out lets a caller decode many requests' windows in one batch.
         """
-        self.token_ids.append(token)
+        self.token_ids.extend(tokens)
         return self.token_ids[self.prefix_offset : self.read_offset], self.token_ids[self.prefix_offset :]
 
     def take_decoded(self, prefix: str, full: str) -> str:
         """The decoded ``next_windows``; returns the text that can be sent now (as ``add_tokens``)."""
         self._apply(prefix, full)
+        return self._take(final=self.stopped)
+
+    def feed_decoded(self, prefix: str, full: str) -> None:
+        """The decoded ``next_windows``, with the text kept until ``take`` (several tokens, one chunk)."""
+        self._apply(prefix, full)
+
+    def take(self) -> str:
+        """The text that can be sent now, after ``feed_decoded``."""
         return self._take(final=self.stopped)
 
     def flush(self) -> str:
@@ -125,3 +133,35 @@ class IncrementalDetokenizer:
                     best = size
                     break
         return best
+
+
+def detokenize_batch(tokenizer: Tokenizer, items: list[tuple[IncrementalDetokenizer, list[int]]]) -> list[str]:
+    """The text each ``(detokenizer, new token ids)`` can send now, as ``add_tokens`` gives it.
+
+    A step with speculation gives a request a run of tokens. Decoding two windows per token cost
+    about 6 us a token in transformers' wrapper (6 ms for 64 requests of 16 tokens on one CPU
+    core), which held up the step loop and with it the next step's launch. A run is decoded at
+    once instead, two windows whatever its length: the new text of the run is the text of its
+    bytes either way. Two cases go token by token, as ``add_tokens`` does: a request with stop
+    strings (one stop string may complete before another that starts earlier, and the first to
+    complete must cut), and a run that ends inside a character (its complete characters are
+    sent now rather than with the next step).
+    """
+    at_once = [(detok, ids) for detok, ids in items if ids and not detok.stop and not detok.stopped]
+    windows = [window for detok, ids in at_once for window in detok.next_windows(*ids)]
+    decoded = tokenizer.decode_batch(windows)
+    by_token = [(detok, ids) for detok, ids in items if detok.stop]
+    for k, (detok, ids) in enumerate(at_once):
+        prefix, full = decoded[2 * k], decoded[2 * k + 1]
+        if len(ids) > 1 and full.endswith("\ufffd"):
+            del detok.token_ids[-len(ids):]
+            by_token.append((detok, ids))
+        else:
+            detok.feed_decoded(prefix, full)
+    for position in range(max((len(ids) for _, ids in by_token), default=0)):
+        live = [(detok, ids[position]) for detok, ids in by_token if position < len(ids) and not detok.stopped]
+        windows = [window for detok, token in live for window in detok.next_windows(token)]
+        decoded = tokenizer.decode_batch(windows)
+        for k, (detok, _) in enumerate(live):
+            detok.feed_decoded(decoded[2 * k], decoded[2 * k + 1])
+    return [detok.take() for detok, _ in items]

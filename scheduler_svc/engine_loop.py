@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from protos.plan import ExecutorInfo, StepResult
 from scheduler_svc.api_types import EngineStats, GenerationChunk, GenerationRequest, ModelDescription, Usage
-from scheduler_svc.detokenizer import IncrementalDetokenizer
+from scheduler_svc.detokenizer import IncrementalDetokenizer, detokenize_batch
 from scheduler_svc.executor_client import ExecutorConnection, ExecutorUnavailable
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.scheduler import CapacityPolicy, RequestUpdate, Scheduler, SchedulerConfig
@@ -310,21 +310,15 @@ class AsyncEngine:
         return True
 
     def _detokenize(self, updates: list[RequestUpdate]) -> dict[str, str]:
-        """New text of every update with one new token (the common step), decoded in one batch."""
-        chosen: list[tuple[str, IncrementalDetokenizer, int]] = []
+        """New text of every update that streams its tokens, all requests' tokens decoded in batches."""
+        chosen: list[tuple[str, IncrementalDetokenizer, list[int]]] = []
         for update in updates:
             stream = self._streams.get(update.request.request_id)
-            if (stream is not None and len(update.new_token_ids) == 1 and not stream.detokenizer.stopped
+            if (stream is not None and update.new_token_ids and not stream.detokenizer.stopped
                     and stream.decodes_each_step):
-                chosen.append((update.request.request_id, stream.detokenizer, update.new_token_ids[0]))
-        if not chosen:
-            return {}
-        windows = [window for _, detok, token in chosen for window in detok.next_windows(token)]
-        decoded = self.tokenizer.decode_batch(windows)
-        return {
-            request_id: detok.take_decoded(decoded[2 * i], decoded[2 * i + 1])
-            for i, (request_id, detok, _) in enumerate(chosen)
-        }
+                chosen.append((update.request.request_id, stream.detokenizer, update.new_token_ids))
+        texts = detokenize_batch(self.tokenizer, [(detok, token_ids) for _, detok, token_ids in chosen])
+        return {request_id: text for (request_id, _, _), text in zip(chosen, texts)}
 
     def _deliver(self, update: RequestUpdate, text: str | None = None) -> None:
         """Stream one update; ``text`` is its new text when already detokenized."""

@@ -68,6 +68,37 @@ def test_batched_decoding_streams_the_same_pieces(tokenizer, stop):
     assert [d.stopped for d in batched] == [d.stopped for d in one_by_one]
 
 
+@pytest.mark.parametrize("stop", [[], ["Zürich", "und", "ext"]])
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_of_several_tokens_a_request_streams_what_add_tokens_streams(tokenizer, stop, seed):
+    """A speculative step gives each request a run of tokens (0 to 17 here): ``detokenize_batch``
+    decodes them position by position across requests and must send add_tokens' pieces, stop cuts included."""
+    import random
+
+    from scheduler_svc.detokenizer import detokenize_batch
+
+    rng = random.Random(seed)
+    streams = [tokenizer.encode(text) for text in TEXTS] + [
+        [rng.randrange(tokenizer.vocab_size) for _ in range(40)]  # ids that break characters anywhere
+    ]
+    one_by_one = [IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"), list(stop)) for _ in streams]
+    batched = [IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"), list(stop)) for _ in streams]
+    read = [0] * len(streams)
+    while any(r < len(ids) and not d.stopped for r, ids, d in zip(read, streams, batched)):
+        items, expected = [], []
+        for i, ids in enumerate(streams):
+            if read[i] >= len(ids) or batched[i].stopped:
+                continue
+            run = ids[read[i] : read[i] + rng.randrange(0, 18)]
+            read[i] += len(run)
+            items.append((batched[i], run))
+            expected.append(one_by_one[i].add_tokens(run))
+        assert detokenize_batch(tokenizer, items) == expected
+    assert [d.flush() for d in batched] == [d.flush() for d in one_by_one]
+    assert [d.stopped for d in batched] == [d.stopped for d in one_by_one]
+    assert any(d.stopped for d in batched) == bool(stop)
+
+
 def test_flush_releases_the_complete_text_of_held_back_tokens(tokenizer):
     """A request cut off inside a character still gets the characters before it (here the space)."""
     ids = tokenizer.encode("naïve 🎉")
@@ -94,3 +125,18 @@ def test_whole_output_at_once_equals_token_by_token(tokenizer, seed):
         by_token = IncrementalDetokenizer(tokenizer, prompt)
         expected = "".join(by_token.add_tokens([t]) for t in output) + by_token.flush()
         assert IncrementalDetokenizer(tokenizer, prompt).add_all(output) == expected, (prompt[-5:], output)
+
+
+def test_decode_is_transformers_decode(tokenizer):
+    """The step loop decodes through the Rust tokenizer directly; the text must be transformers' own,
+    special tokens skipped, for text and for random ids that break characters."""
+    import random
+
+    rng = random.Random(0)
+    special = sorted(tokenizer.eos_token_ids) + list(tokenizer.hf.all_special_ids)
+    batch = [tokenizer.encode(text) for text in TEXTS]
+    batch += [[rng.randrange(tokenizer.vocab_size) for _ in range(rng.randrange(1, 12))] + [rng.choice(special)]
+              for _ in range(200)]
+    expected = [tokenizer.hf.decode(ids, skip_special_tokens=True) for ids in batch]
+    assert [tokenizer.decode(ids) for ids in batch] == expected
+    assert tokenizer.decode_batch(batch) == expected
