@@ -110,12 +110,9 @@ CHAT = [
 # ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
 # ``vocab0``: the heads draft from every token; ``vocab8192`` from the 8,192 their training answers used most
 # (default: what the heads were trained with, --train-draft-args '--draft-vocab N').
-# ``roomrounds0``: the policy prices every draft length at the most chained rounds, not at the rounds each leaves
-# near a request's end.
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
                   "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels",
-                  "heads": "heads_set", "adaptive": "adaptive_draft_length", "vocab": "draft_vocab",
-                  "roomrounds": "room_rounds"}
+                  "heads": "heads_set", "adaptive": "adaptive_draft_length", "vocab": "draft_vocab"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -149,17 +146,6 @@ def _mode_config(name: str, args):
                              draft_vocab=getattr(args, "draft_vocab", None))
 
 
-def _price_full_rounds(policy) -> None:
-    """The mode setting ``roomrounds0``: the policy prices every draft length at ``max_rounds`` chained rounds,
-    not at the rounds each leaves near a request's end (how it chose before it was told them)."""
-    choose = policy.choose
-
-    def choose_without_rounds(candidates, other_tokens, draining=False, chainable=False, asked=False, rounds=None):
-        return choose(candidates, other_tokens, draining=draining, chainable=chainable, asked=asked)
-
-    policy.choose = choose_without_rounds
-
-
 TRACE_LIMIT = 4000  # policy events kept per run of a mode (--trace-policy)
 TRACE_CANDIDATES = 8  # a choice among more candidates than this is traced as a summary
 
@@ -169,12 +155,10 @@ def _trace_policy(policy) -> list[dict]:
     events: list[dict] = []
     choose, observe = policy.choose, policy.observe
 
-    def traced_choose(candidates, other_tokens, draining=False, chainable=False, asked=False, rounds=None):
-        k = choose(candidates, other_tokens, draining=draining, chainable=chainable, asked=asked, rounds=rounds)
+    def traced_choose(candidates, other_tokens, draining=False, chainable=False, asked=False):
+        k = choose(candidates, other_tokens, draining=draining, chainable=chainable, asked=asked)
         event = {"at": time.perf_counter(), "choose": k, "trial": policy.trial, "chainable": chainable,
                  "draining": draining, "other_tokens": other_tokens}
-        if rounds is not None:  # the rounds a chained step of each K would run
-            event["rounds_by_k"] = list(rounds)
         if len(candidates) <= TRACE_CANDIDATES:
             event["candidates"] = [[c.num_drafts, round(c.rate, 3), [round(r, 3) for r in c.position_rates or []]]
                                    for c in candidates]
@@ -347,8 +331,6 @@ def run_generate(args) -> dict:
         async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
         settle_garbage_collector()  # as the LLM API and the services do once loaded
-        if not getattr(settings, "room_rounds", 1):
-            _price_full_rounds(async_engine.scheduler.draft_policy)
         trace = _trace_policy(async_engine.scheduler.draft_policy) if args.trace_policy else None
         out: dict = {}
         try:

@@ -295,13 +295,8 @@ class Scheduler:
             elif not request.num_scheduled_drafts:
                 other += min(request.num_tokens - request.num_computed_tokens, self.config.max_num_tokens)
         other = min(other, self.config.max_num_tokens)
-        if chainable and candidates:
-            room = self._room_left(order)
-            rounds = [self._rounds_for(k, len(order), room) for k in range(chain_limit + 1)]
-        else:
-            rounds = None
         draft_length = self.draft_policy.choose(candidates, other, draining=not self.waiting, chainable=chainable,
-                                                asked=self._drafts_asked, rounds=rounds)
+                                                asked=self._drafts_asked)
         if chainable:  # longer chains would not fit the executor's batch (the policy prices them as no longer)
             draft_length = min(draft_length, chain_limit)
         limit = self.draft_policy.verify_limit
@@ -312,32 +307,22 @@ class Scheduler:
     def _chained_rounds(self, order: list[Request], draft_length: int, chainable: bool) -> int:
         """Verification rounds for this step: more than one only when the step may chain them
         (``_chain_draft_limit``; a request without drafts of its own starts from padding, and the device looks up
-        its later rounds' drafts), drafts are verified, and each request has room for what they may emit
-        (``_rounds_for``); at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a
-        guess, or a probe), which then costs two rounds if wrong, not every round."""
+        its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
+        at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
+        which then costs two rounds if wrong, not every round."""
+        cfg = self.config
         policy = self.draft_policy
         if not chainable or draft_length <= 0 or policy.verify_limit is not None:
             return 1
-        rounds = self._rounds_for(draft_length, len(order), self._room_left(order))
-        return min(rounds, TRIAL_ROUNDS) if policy.trial else rounds
-
-    def _rounds_for(self, draft_length: int, num_requests: int, room: int) -> int:
-        """The rounds a chained step of ``draft_length`` drafts for ``num_requests`` requests may run: within the
-        executor's token budget, and within ``room`` (``_room_left``) if every draft of every round were
-        accepted: the KV slots the rounds write must fit what each request may hold (``rounds_kv_span``).
-        Near a request's end that bound cuts long drafts to few rounds (40 tokens left: 4 rounds of 8 drafts,
-        13 rounds of 2), which the policy prices (``DraftLengthPolicy.choose``'s ``rounds``)."""
-        if draft_length <= 0:
-            return 1
-        cfg = self.config
         rows = cfg.round_rows(draft_length)
-        rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * num_requests))
-        return max(1, min(rounds, (room - rows) // (1 + draft_length) + 1 if room >= rows else 0))
-
-    def _room_left(self, order: list[Request]) -> int:
-        """The fewest tokens any of ``order`` may still emit (its ``max_tokens``, ``max_seq_len``)."""
-        cfg = self.config
-        return min(min(r.stopping.max_tokens - len(r.output_token_ids), cfg.max_seq_len - r.num_tokens) for r in order)
+        rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
+        if policy.trial:
+            rounds = min(rounds, TRIAL_ROUNDS)
+        for request in order:
+            # What the rounds may write must fit what the request may still hold (``rounds_kv_span``).
+            room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
+            rounds = min(rounds, (room - rows) // (1 + draft_length) + 1 if room >= rows else 0)
+        return max(1, rounds)
 
     def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).

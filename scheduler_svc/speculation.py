@@ -100,7 +100,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import mul
@@ -373,7 +372,6 @@ class DraftLengthPolicy:
         self.executor_costs = StepCosts()  # the executor's own time per step
         self.chained_costs = ChainedCosts()  # steps that chained verification rounds: host share and rounds
         self._chainable = False  # this step may chain rounds: K > 0 is priced by chained_costs
-        self._rounds: Sequence[int] | None = None  # this step's rounds by K, when it may chain them
         self.last_k = max_draft_tokens
         self._dry_steps = 0  # steps in a row whose drafts were asked for and none came
         self._steps = 0
@@ -385,17 +383,13 @@ class DraftLengthPolicy:
 
     def choose(
         self, candidates: list[Candidate], other_tokens: int, draining: bool = False, chainable: bool = False,
-        asked: bool = False, rounds: Sequence[int] | None = None,
+        asked: bool = False,
     ) -> int:
         """K for this step: ``candidates`` may verify drafts, ``other_tokens`` are the step's other tokens;
         ``draining``: no request waits, so no running request may get slower (see the module docstring);
-        ``chainable``: the step may chain verification rounds; ``asked``: the last step asked for drafts;
-        ``rounds[K]``: the rounds a chained step of K drafts would run (``max_rounds`` when not given; the last
-        entry for longer K). Near a request's end long drafts leave room for few rounds, each carrying the
-        step's host share, so shorter drafts over more rounds may pay better."""
+        ``chainable``: the step may chain verification rounds; ``asked``: the last step asked for drafts."""
         self._steps += 1
         self._chainable = chainable
-        self._rounds = rounds
         self.verify_limit = None
         self.trial = False
         if not candidates:
@@ -482,8 +476,7 @@ class DraftLengthPolicy:
 
     def _cost(self, k: int, num_tokens: int) -> float | None:
         if k > 0 and self._chainable:
-            rounds = self._rounds[min(k, len(self._rounds) - 1)] if self._rounds else self.max_rounds
-            return self.chained_costs.round_seconds(num_tokens, rounds)
+            return self.chained_costs.round_seconds(num_tokens, self.max_rounds)
         if k == 0 and self.overlap_available:
             for costs in (self.overlapped_costs, self.executor_costs):
                 seconds = costs.step_seconds(num_tokens)

@@ -276,7 +276,6 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
         if name != "none":  # the policy's trace, at batch 1 and in the batch-2 run: the step costs it learned from
             for run in (mode["batch1"], mode["batch2"]):
                 assert any("tokens" in event for event in run["policy_trace"])
-                assert any(event.get("rounds_by_k", [0])[0] == 1 for event in run["policy_trace"])  # rounds K may chain
 
     bad = subprocess.run([*cmd[:-5], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=190)

@@ -24,7 +24,7 @@ from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_dr
 from executor_svc.sampler import RequestSamplingState
 from protos.plan import CachedRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
 from scheduler_svc.api_types import GenerationRequest
-from scheduler_svc.speculation import Acceptance, Candidate, DraftLengthPolicy, expected_accepted
+from scheduler_svc.speculation import Candidate, DraftLengthPolicy, expected_accepted
 from tests.conftest import PROMPTS, TEST_DEVICE, run_async, tiny_llama_config
 from tests.test_scheduler import make_request, make_scheduler
 
@@ -442,55 +442,6 @@ def test_chained_rounds_stay_within_max_tokens():
     plan = s.schedule()
     # 9 more tokens may follow: two rounds of 1 + 3 (a third could overrun max_tokens).
     assert (plan.cached_requests[0].num_rounds, plan.cached_requests[0].num_scheduled_tokens) == (2, 8)
-
-
-def _chained_policy(max_draft_tokens: int = 8, host: float = 0.0015) -> DraftLengthPolicy:
-    """A policy that measured plain steps at 1 ms and chained steps of ``host`` seconds plus 0.8 ms (2 rows) to
-    0.9 ms (9 rows) a round, over steps of 16 rounds and of 2 (so the fit can tell the host's share apart)."""
-    policy = DraftLengthPolicy(max_draft_tokens=max_draft_tokens, max_rounds=16)
-    for _ in range(4):
-        policy.observe(1, 0.001, overlapped=True, executor_seconds=0.0)
-    for tokens, per_round in ((2, 0.0008), (4, 0.00082), (9, 0.0009)):
-        for rounds in (16, 2, 16, 2):
-            policy.observe(tokens, (host + rounds * per_round) / rounds, overlapped=False, executor_seconds=0.0,
-                           plain=False, chained=True, rounds=rounds)
-    policy._steps = 1  # not in a probe window
-    return policy
-
-
-def test_the_policy_prices_each_draft_length_at_the_rounds_it_leaves():
-    """Near a request's end long drafts leave room for few chained rounds (each draft might be accepted), and
-    every step carries the host's share: priced at the rounds each K would run, shorter drafts win there."""
-    policy = _chained_policy()
-    host, points = policy.chained_costs.fit()
-    assert host == pytest.approx(0.0015, rel=1e-6) and [t for t, _ in points] == [2, 4, 9]
-    good = [Candidate("a", 8, 0.8)]
-    full = [1] + [16] * 8
-    assert policy.choose(good, 0, chainable=True, rounds=full) == 8
-    assert policy.choose(good, 0, chainable=True) == 8  # max_rounds when not told
-    # 20 tokens left: 8 drafts (9 rows) fit 2 rounds, 4 drafts (5 rows) 4 rounds. Each round yields
-    # 1 + 0.8 + ... + 0.8^K tokens: 4.33 at K = 8 in 0.9 + 1.5 / 2 ms (2.6 a ms), 3.36 at K = 4 in
-    # 0.84 + 1.5 / 4 ms (2.8 a ms).
-    room = 20
-    near_end = [1] + [(room - (1 + k)) // (1 + k) + 1 for k in range(1, 9)]
-    assert near_end[8] == 2 and near_end[4] == 4
-    assert policy.choose(good, 0, chainable=True, rounds=near_end) == 4
-    # Without a host share (every step of a size ran the same rounds, say), the rounds change nothing.
-    assert _chained_policy(host=0.0).choose(good, 0, chainable=True, rounds=near_end) == 8
-
-
-def test_a_request_near_its_end_chains_shorter_drafts_over_more_rounds():
-    """The scheduler tells the policy the rounds each K leaves (``Scheduler._rounds_for``) and chains the K it
-    picks over them: with 20 tokens left, 4 drafts over 4 rounds rather than 8 over 2."""
-    s = make_scheduler(max_draft_tokens=8, max_speculative_rounds=16)
-    s.draft_policy = _chained_policy()
-    s.add_request(make_request("a", 6, max_tokens=21))
-    plan = s.schedule()
-    s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1] * 8)]))
-    s.running[0].acceptance = Acceptance(8.0, 2.0, 8.0, 2.0)  # every draft accepted 4 times in 5, as above
-    cached = s.schedule().cached_requests[0]
-    assert s._rounds_for(8, 1, 20) == 2 and s._rounds_for(4, 1, 20) == 4
-    assert (cached.num_rounds, cached.num_scheduled_tokens) == (4, 20)
 
 
 def test_draft_length_follows_the_measured_step_cost():
