@@ -140,3 +140,23 @@ def test_decode_is_transformers_decode(tokenizer):
     expected = [tokenizer.hf.decode(ids, skip_special_tokens=True) for ids in batch]
     assert [tokenizer.decode(ids) for ids in batch] == expected
     assert tokenizer.decode_batch(batch) == expected
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_decode_follows_transformers_clean_up_of_spaces(model_dir, clean_up):
+    """Some tokenizer configs (SmolLM2's, as some transformers versions convert it) ask for transformers' clean-up
+    of tokenization spaces (" ." to "."), which the Rust tokenizer does not do: the direct decode must follow."""
+    from scheduler_svc.tokenizer import Tokenizer, _direct_decoder
+
+    tokenizer = Tokenizer(model_dir)
+    hf = tokenizer.hf
+    hf.clean_up_tokenization_spaces = clean_up
+    # Recent transformers skip the clean-up for BPE unless told otherwise: make it happen when asked for.
+    hf.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = clean_up
+    decode = _direct_decoder(hf)
+    texts = ["Well , that 's it . Is n't it ?", "a ' b ' c", "We 're here , you 've seen ."] + TEXTS
+    for text in texts:
+        ids = tokenizer.encode(text)
+        assert decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    cleaned = decode(tokenizer.encode("Well , that 's it ."))
+    assert (cleaned == "Well, that's it.") == clean_up
