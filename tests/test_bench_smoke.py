@@ -94,6 +94,21 @@ def test_wire_cost_smoke(tmp_path: Path) -> None:
     assert row["bytes"]["plan"] > 0 and row["bytes"]["result"] > 0
 
 
+def test_detokenize_cost_smoke(tmp_path: Path, model_dir: Path) -> None:
+    """The detokenization benchmark times every way for each batch and run length."""
+    out = tmp_path / "detok.json"
+    cmd = [sys.executable, str(REPO / "bench" / "detokenize_cost.py"), "--batch-sizes", "2", "--tokens", "1,3",
+           "--steps", "2", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["tokens_per_request"]) for r in rows] == [(2, 1), (2, 3)]
+    for row in rows:
+        assert set(row["ms_per_step"]) == {"transformers_per_token", "rust_per_token", "batch"}
+        assert all(ms > 0 for ms in row["ms_per_step"].values())
+
+
 @pytest.mark.timeout(120)
 def test_bench_dense_gemv_smoke(tmp_path: Path) -> None:
     """bench/dense_gemv.py on tiny shapes through Triton's interpreter: cuBLAS and the GEMV agree, all reported."""
