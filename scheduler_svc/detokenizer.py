@@ -60,24 +60,19 @@ class IncrementalDetokenizer:
         return self.flush()
 
     def next_windows(self, *tokens: int) -> tuple[list[int], list[int]]:
-        """Take new tokens; the two windows to decode for them (see ``take_decoded``).
+        """Take new tokens; the two windows to decode for them (see ``feed_decoded``).
 
         Splitting the decode out lets a caller decode many requests' windows in one batch.
         """
         self.token_ids.extend(tokens)
         return self.token_ids[self.prefix_offset : self.read_offset], self.token_ids[self.prefix_offset :]
 
-    def take_decoded(self, prefix: str, full: str) -> str:
-        """The decoded ``next_windows``; returns the text that can be sent now (as ``add_tokens``)."""
-        self._apply(prefix, full)
-        return self._take(final=self.stopped)
-
     def feed_decoded(self, prefix: str, full: str) -> None:
         """The decoded ``next_windows``, with the text kept until ``take`` (several tokens, one chunk)."""
         self._apply(prefix, full)
 
     def take(self) -> str:
-        """The text that can be sent now, after ``feed_decoded``."""
+        """The text that can be sent now (as ``add_tokens`` returns it), after ``feed_decoded``."""
         return self._take(final=self.stopped)
 
     def flush(self) -> str:

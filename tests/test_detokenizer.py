@@ -63,7 +63,8 @@ def test_batched_decoding_streams_the_same_pieces(tokenizer, stop):
         decoded = tokenizer.decode_batch(windows)
         assert decoded == [tokenizer.decode(w) for w in windows]
         for k, i in enumerate(live):
-            assert batched[i].take_decoded(decoded[2 * k], decoded[2 * k + 1]) == one_by_one[i].add_tokens([streams[i][position]])
+            batched[i].feed_decoded(decoded[2 * k], decoded[2 * k + 1])
+            assert batched[i].take() == one_by_one[i].add_tokens([streams[i][position]])
     assert [d.flush() for d in batched] == [d.flush() for d in one_by_one]
     assert [d.stopped for d in batched] == [d.stopped for d in one_by_one]
 
