@@ -102,7 +102,7 @@ def load_or_prepare(engine, base: dict, args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> dict:
     from executor_svc.build_config import BuildConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
     from executor_svc.speculative.train_heads import fit_heads, head_agreement
     from inflight.model_store import default_cache_dir

@@ -72,7 +72,7 @@ def add_engine_build_args(p: argparse.ArgumentParser) -> None:
 
 def build_engine_dir(args) -> tuple[Path, dict]:
     from executor_svc.build_config import BuildConfig, QuantConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from inflight.model_store import default_cache_dir
 
     checkpoint, config = resolve_model_source(args)

@@ -108,7 +108,7 @@ async def run_batch(engine, prompts: list[list[int]], output_len: int) -> dict:
 def load(args) -> tuple:
     """Build (once, cached) and load the engine; returns (engine, tokenizer, model config)."""
     from executor_svc.build_config import BuildConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
     from inflight.model_store import default_cache_dir
     from scheduler_svc.tokenizer import Tokenizer

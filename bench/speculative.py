@@ -239,7 +239,7 @@ def _rates(drafted: list[int], accepted: list[int]) -> list[float | None]:
 
 def run_generate(args) -> dict:
     from executor_svc.build_config import BuildConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
     from inflight.gc_tuning import release_garbage_collector, settle_garbage_collector
     from inflight.inprocess import InProcessExecutor
@@ -491,7 +491,7 @@ def _identical_prompts(res: dict, plain: dict) -> dict:
 def _engine_for(source: str, args, max_batch: int):
     """An engine of a known shape (random weights), or of a checkpoint (its weights)."""
     from executor_svc.build_config import BuildConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from inflight.model_store import default_cache_dir, resolve_model
 
     if source in SHAPES:

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from executor_svc.build_config import BuildConfig, QuantConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
     from executor_svc.runner import ModelRunner
     from inflight.model_store import default_cache_dir

@@ -26,7 +26,7 @@ from model_shapes import shape_folder  # noqa: E402
 
 def main(tokenizer_dir: str, device: str = "cuda") -> None:
     from executor_svc.build_config import BuildConfig
-    from executor_svc.builder import build_cached
+    from executor_svc.engine_cache import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
     from executor_svc.runner import ModelRunner
     from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode

@@ -6,19 +6,15 @@ cast to the engine's dtype), choose an implementation per layer kind by
 timing the candidates on the target device, quantize (calibrating first when
 the algorithm needs it, and checking perplexity with ``--validate``), then
 serialize everything the runtime needs. Engines built from a checkpoint on the
-fly are cached under a key of the checkpoint, the build config and the device,
-so ``inflight serve`` builds once.
+fly are cached (``executor_svc.engine_cache``), so ``inflight serve`` builds once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
 import tempfile
 import time
-from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -126,51 +122,3 @@ def _check_quantization_request(build: BuildConfig, load_format: str, validation
         raise BuildConfigError("GPTQ rounding needs calibration, which random weights cannot give")
     if load_format == "dummy" and build.quant_config.sensitive_layers:
         raise BuildConfigError("keeping sensitive layers needs calibration, which random weights cannot give")
-
-
-# The packages whose code decides what a build writes: the model, its kernels and their tactics,
-# quantization, the KV-cache layout.
-ENGINE_CODE_PACKAGES = ("executor_svc", "plugins", "kvcache")
-
-
-@lru_cache(maxsize=1)
-def engine_code_fingerprint() -> str:
-    """Short hash of the source of ``ENGINE_CODE_PACKAGES``: an engine cached by other code (an upgrade,
-    a local change) is rebuilt rather than served with that code's kernel choices and tactics."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for package in ENGINE_CODE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            digest.update(path.relative_to(root).as_posix().encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def engine_cache_key(checkpoint: Path, build: BuildConfig, device: str, load_format: str) -> str:
-    """Short hash of what an engine depends on: the checkpoint, the build, the device, the code that builds it."""
-    target = resolve_device(device)
-    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in checkpoint.iterdir() if p.is_file())
-    calib = Path(build.quant_config.calib_data)
-    if build.quant_config.calib_data and calib.is_file():  # the file's content, not just its name, shapes the engine
-        files.append((str(calib.resolve()), calib.stat().st_size, int(calib.stat().st_mtime)))
-    payload = json.dumps(
-        [str(checkpoint.resolve()), files, build.to_dict(), DeviceSignature.of(target).describe(), load_format,
-         torch.__version__, engine_code_fingerprint()], sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def build_cached(
-    checkpoint: Path, build: BuildConfig, cache_root: Path, device: str = "auto", load_format: str = "auto",
-    progress: bool = True,
-) -> Path:
-    """The engine folder for ``checkpoint``, built on the first call and reused after."""
-    key = engine_cache_key(checkpoint, build, device, load_format)
-    engine_dir = cache_root / "engines" / f"{checkpoint.name}-{key}"
-    if is_engine_dir(engine_dir):
-        log.info("using cached engine %s", engine_dir)
-        return engine_dir
-    log.info("building an engine for %s (cached at %s)", checkpoint, engine_dir)
-    build_engine(checkpoint, engine_dir, build, device, load_format, progress)
-    return engine_dir
-

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from executor_svc.build_config import PLUGIN_KINDS, BuildConfig, QuantConfig
-from executor_svc.builder import build_cached
+from executor_svc.engine_cache import build_cached
 from executor_svc.engine_file import is_engine_dir
 from inflight.model_store import default_cache_dir, resolve_model
 

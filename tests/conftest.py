@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -21,7 +23,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from inflight.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
+from inflight.model_store import DEFAULT_MODEL, default_cache_dir, resolve_model  # noqa: E402
 
 TEST_DEVICE = os.environ.get("INFLIGHT_TEST_DEVICE", "cpu")
 TEST_MODEL = os.environ.get("INFLIGHT_TEST_MODEL", DEFAULT_MODEL)
@@ -45,6 +47,31 @@ PROMPTS = [
     + "In one sentence, the main benefit of these two ideas together is",
 ]
 MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Iterator[Path]:
+    """The tests' own inflight cache (``INFLIGHT_CACHE``, inherited by the servers they start), kept to 1 GiB of
+    engines and removed at the end, so that tests neither fill nor trim the user's cache.
+
+    The user's finished model conversions are linked in, so the default model is not converted a second time.
+    """
+    user_cache = default_cache_dir()
+    root = tmp_path_factory.mktemp("inflight-cache")
+    if user_cache.is_dir():
+        for entry in user_cache.iterdir():
+            if entry.is_dir() and (entry / "config.json").is_file() and any(entry.glob("*.safetensors")):
+                (root / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
+    settings = {"INFLIGHT_CACHE": str(root), "INFLIGHT_ENGINE_CACHE_GB": "1"}
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    yield root
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -80,6 +107,18 @@ def hf_reference(hf_model, tokenizer) -> list[list[int]]:
             )
             outputs.append(out[0, ids.shape[1] :].tolist())
     return outputs
+
+
+@pytest.fixture(scope="module")
+def module_tmp_path(request, tmp_path_factory) -> Iterator[Path]:
+    """A folder for one test module's converted models and engines, removed when that module's tests are done.
+
+    Folders from ``tmp_path_factory`` live until the session ends; a full run builds a dozen engines of the default
+    model (0.5 GB each in float32), more than a CI machine's free disk may hold at once.
+    """
+    path = tmp_path_factory.mktemp(request.module.__name__.rpartition(".")[2])
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from executor_svc.build_config import BuildConfig, BuildConfigError, QuantConfig
-from executor_svc.builder import build_cached, build_engine
+from executor_svc.builder import build_engine
+from executor_svc.engine_cache import build_cached, prune_engine_cache
 from executor_svc.engine import RuntimeConfig, load_engine
-from executor_svc.engine_file import MANIFEST_NAME, EngineMismatchError, read_manifest
+from executor_svc.engine_file import MANIFEST_NAME, EngineMismatchError, is_engine_dir, read_manifest
 from executor_svc.kernel_selection import PluginUnavailableError, choose
 from plugins.registry import KernelSpec
 
@@ -127,13 +131,70 @@ def test_engines_built_on_the_fly_are_cached(model_dir, tmp_path):
 
 
 def test_cached_engines_are_rebuilt_for_other_engine_code(model_dir, tmp_path, monkeypatch):
-    import executor_svc.builder as builder
+    import executor_svc.engine_cache as engine_cache
 
     build = BuildConfig(max_seq_len=256, tokens_per_block=16, dtype="float32")
-    key = builder.engine_cache_key(model_dir, build, "cpu", "auto")
-    assert builder.engine_code_fingerprint() == builder.engine_code_fingerprint.__wrapped__()  # stable in a process
-    monkeypatch.setattr(builder, "engine_code_fingerprint", lambda: "other code")
-    assert builder.engine_cache_key(model_dir, build, "cpu", "auto") != key
+    key = engine_cache.engine_cache_key(model_dir, build, "cpu", "auto")
+    assert engine_cache.engine_code_fingerprint() == engine_cache.engine_code_fingerprint.__wrapped__()  # stable
+    monkeypatch.setattr(engine_cache, "engine_code_fingerprint", lambda: "other code")
+    assert engine_cache.engine_cache_key(model_dir, build, "cpu", "auto") != key
+
+
+def _fake_engine(root: Path, name: str, size: int, last_used: float) -> Path:
+    """A folder that passes for a cached engine: a manifest and ``size`` bytes of weights, last used then."""
+    folder = root / name
+    folder.mkdir(parents=True)
+    (folder / MANIFEST_NAME).write_text("{}")
+    (folder / "weights.bin").write_bytes(b"w" * size)
+    os.utime(folder, (last_used, last_used))
+    return folder
+
+
+def test_engine_cache_removes_the_least_recently_used_engines_beyond_its_budget(tmp_path):
+    now = time.time()
+    root = tmp_path / "engines"
+    oldest = _fake_engine(root, "m-1", 1000, now - 3000)
+    older = _fake_engine(root, "m-2", 1000, now - 2000)
+    kept = _fake_engine(root, "m-3", 1000, now - 1000)
+    recent = _fake_engine(root, "m-4", 1000, now - 5)  # another server may be loading it
+    asked = _fake_engine(root, "m-5", 1000, now - 4000)  # the engine being served stays, however old
+    dead_build = root / ".m-6.abcd"
+    dead_build.mkdir()
+    os.utime(dead_build, (now - 2 * 86400, now - 2 * 86400))
+    live_build = root / ".m-7.efgh"
+    live_build.mkdir()
+    stranger = root / "notes"  # not an engine: left alone
+    stranger.mkdir()
+
+    budget = 3 * 1000 + 3 * len("{}")
+    removed = prune_engine_cache(root, budget, keep=asked)
+    assert removed == [oldest, older]
+    assert all(p.is_dir() for p in (kept, recent, asked, live_build, stranger))
+    assert not oldest.exists() and not older.exists() and not dead_build.exists()
+    assert prune_engine_cache(root, budget, keep=asked) == []  # within budget now
+    # Over budget with nothing but the kept and the recent engine: both stay.
+    assert prune_engine_cache(root, 0, keep=asked) == [kept]
+    assert recent.is_dir() and asked.is_dir()
+
+
+def test_build_cached_trims_the_cache_to_its_budget(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFLIGHT_ENGINE_CACHE_GB", "0")
+    small = BuildConfig(max_seq_len=256, tokens_per_block=16, dtype="float32")
+    first = build_cached(model_dir, small, tmp_path, device="cpu", load_format="dummy", progress=False)
+    long_ago = time.time() - 3600
+    os.utime(first, (long_ago, long_ago))
+    # A cache hit marks the engine used, so it is not the one removed.
+    assert build_cached(model_dir, small, tmp_path, device="cpu", load_format="dummy", progress=False) == first
+    assert first.stat().st_mtime > long_ago
+    os.utime(first, (long_ago, long_ago))
+    larger = BuildConfig(max_seq_len=512, tokens_per_block=16, dtype="float32")
+    second = build_cached(model_dir, larger, tmp_path, device="cpu", load_format="dummy", progress=False)
+    assert is_engine_dir(second) and not first.exists()
+
+    monkeypatch.setenv("INFLIGHT_ENGINE_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match="INFLIGHT_ENGINE_CACHE_GB must be a finite number of GiB"):
+        build_cached(model_dir, small, tmp_path, device="cpu", load_format="dummy", progress=False)
+    assert not first.exists()  # refused before building
 
 
 def test_dummy_engine_has_no_weights_file_and_loads(model_dir, tmp_path):

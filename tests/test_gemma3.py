@@ -54,8 +54,10 @@ def _timed(label: str, fn, *args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gemma3-cache")
+def cache(module_tmp_path) -> Path:
+    path = module_tmp_path / "cache"
+    path.mkdir()
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +128,12 @@ def hf_reference(folder, tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine(folder, tmp_path_factory):
+def engine(folder, module_tmp_path):
     from executor_svc.build_config import BuildConfig
     from executor_svc.builder import build_engine
     from executor_svc.engine import RuntimeConfig, load_engine
 
-    path = tmp_path_factory.mktemp("engines") / "gemma3"
+    path = module_tmp_path / "engine"
     build = BuildConfig(max_batch_size=8, max_num_tokens=1024, max_seq_len=1024, tokens_per_block=16, dtype="float32")
     _timed("inflight build", build_engine, folder, path, build, device="cpu", progress=False)
     return load_engine(path, RuntimeConfig(device="cpu", kv_cache_bytes=128 << 20))

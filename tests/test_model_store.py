@@ -35,9 +35,9 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def converted(gguf_path, tmp_path_factory):
+def converted(gguf_path, module_tmp_path):
     """(folder, cache_dir, seconds) for the default model converted into a fresh cache."""
-    cache = tmp_path_factory.mktemp("cache")
+    cache = module_tmp_path
     start = time.monotonic()
     folder = resolve_model("default", cache_dir=cache, progress=False)
     return folder, cache, time.monotonic() - start

@@ -45,9 +45,9 @@ def _build_config(**quant_fields) -> BuildConfig:
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir, tmp_path_factory) -> dict:
+def engines(model_dir, module_tmp_path) -> dict:
     """Each mode built once, lazily: label -> engine folder."""
-    root = tmp_path_factory.mktemp("quant_engines")
+    root = module_tmp_path
     built: dict = {}
 
     def get(label: str):

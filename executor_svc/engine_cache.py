@@ -1,0 +1,180 @@
+"""The cache of engines built on the fly: ``<cache>/engines/<checkpoint>-<key>/``.
+
+``inflight serve --model NAME`` and the Python API build an engine the first time a
+checkpoint, build config, device and engine code meet, and reuse it after. The key
+covers everything the engine depends on, so an upgrade or a changed build setting
+gets a new folder rather than a stale engine; the folders it leaves behind are
+never read again. The cache is therefore bounded: once the engines in it add up to
+more than ``INFLIGHT_ENGINE_CACHE_GB`` (default 20 GiB), the least recently used
+ones are removed, as ccache or pip do with their caches. An engine in use, or
+looked up within the last minute (another server may be loading it), is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from executor_svc.build_config import BuildConfig
+from executor_svc.builder import build_engine
+from executor_svc.engine import resolve_device
+from executor_svc.engine_file import DeviceSignature, is_engine_dir
+
+log = logging.getLogger("inflight.build")
+
+# The packages whose code decides what a build writes: the model, its kernels and their tactics,
+# quantization, the KV-cache layout.
+ENGINE_CODE_PACKAGES = ("executor_svc", "plugins", "kvcache")
+
+BUDGET_ENV = "INFLIGHT_ENGINE_CACHE_GB"
+DEFAULT_BUDGET_GB = 20.0
+# An engine looked up this recently may be loading in another process: never removed.
+RECENT_USE_SECONDS = 60.0
+# A build stages its folder as ".<name>.XXXX" beside the target; one this old was left by a build that died.
+STALE_STAGING_SECONDS = 24 * 3600.0
+
+
+@lru_cache(maxsize=1)
+def engine_code_fingerprint() -> str:
+    """Short hash of the source of ``ENGINE_CODE_PACKAGES``: an engine cached by other code (an upgrade,
+    a local change) is rebuilt rather than served with that code's kernel choices and tactics."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for package in ENGINE_CODE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def engine_cache_key(checkpoint: Path, build: BuildConfig, device: str, load_format: str) -> str:
+    """Short hash of what an engine depends on: the checkpoint, the build, the device, the code that builds it."""
+    target = resolve_device(device)
+    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in checkpoint.iterdir() if p.is_file())
+    calib = Path(build.quant_config.calib_data)
+    if build.quant_config.calib_data and calib.is_file():  # the file's content, not just its name, shapes the engine
+        files.append((str(calib.resolve()), calib.stat().st_size, int(calib.stat().st_mtime)))
+    payload = json.dumps(
+        [str(checkpoint.resolve()), files, build.to_dict(), DeviceSignature.of(target).describe(), load_format,
+         torch.__version__, engine_code_fingerprint()], sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def engine_cache_budget() -> int:
+    """Bytes the cached engines may take (``INFLIGHT_ENGINE_CACHE_GB``, in GiB; default 20)."""
+    raw = os.environ.get(BUDGET_ENV, "").strip()
+    if not raw:
+        return int(DEFAULT_BUDGET_GB * 2**30)
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib >= 0):
+        raise ValueError(f"{BUDGET_ENV} must be a finite number of GiB, 0 or more, got {raw!r}")
+    return int(gib * 2**30)
+
+
+def build_cached(
+    checkpoint: Path, build: BuildConfig, cache_root: Path, device: str = "auto", load_format: str = "auto",
+    progress: bool = True,
+) -> Path:
+    """The engine folder for ``checkpoint``, built on the first call and reused after.
+
+    Each call marks the engine as used and then trims the cache to its budget (``prune_engine_cache``).
+    """
+    budget = engine_cache_budget()  # a bad setting fails before a build, not after
+    key = engine_cache_key(checkpoint, build, device, load_format)
+    engine_dir = cache_root / "engines" / f"{checkpoint.name}-{key}"
+    if is_engine_dir(engine_dir):
+        log.info("using cached engine %s", engine_dir)
+        _mark_used(engine_dir)
+    else:
+        log.info("building an engine for %s (cached at %s)", checkpoint, engine_dir)
+        build_engine(checkpoint, engine_dir, build, device, load_format, progress)
+        _mark_used(engine_dir)
+    prune_engine_cache(engine_dir.parent, budget, keep=engine_dir)
+    return engine_dir
+
+
+def prune_engine_cache(engines_root: Path, budget_bytes: int, keep: Path | None = None) -> list[Path]:
+    """Remove the least recently used engines under ``engines_root`` until the engines there take at most
+    ``budget_bytes``; returns the folders removed.
+
+    ``keep`` (the engine just asked for) and engines used in the last ``RECENT_USE_SECONDS`` stay even when
+    the cache is then still over its budget. Staging folders of builds that died are removed once stale.
+    """
+    now = time.time()
+    candidates: list[tuple[float, int, Path]] = []
+    total = 0
+    for child in _children(engines_root):
+        if child.name.startswith("."):
+            if _age(child, now) > STALE_STAGING_SECONDS:
+                log.info("removing %s, left by an engine build that did not finish", child)
+                shutil.rmtree(child, ignore_errors=True)
+            continue
+        if not is_engine_dir(child):
+            continue  # not ours to judge
+        size = _folder_bytes(child)
+        total += size
+        if child != keep and _age(child, now) >= RECENT_USE_SECONDS:
+            candidates.append((_last_used(child), size, child))
+    removed = []
+    for _, size, child in sorted(candidates):
+        if total <= budget_bytes:
+            break
+        log.info(
+            "engine cache over its %.1f GiB budget (%s): removing the least recently used engine %s (%.2f GiB)",
+            budget_bytes / 2**30, BUDGET_ENV, child, size / 2**30,
+        )
+        shutil.rmtree(child, ignore_errors=True)
+        if not child.exists():
+            total -= size
+            removed.append(child)
+    return removed
+
+
+def _children(folder: Path) -> list[Path]:
+    try:
+        return [child for child in folder.iterdir() if child.is_dir() and not child.is_symlink()]
+    except FileNotFoundError:
+        return []
+
+
+def _mark_used(engine_dir: Path) -> None:
+    """An engine's last use is its folder's modification time (a build's rename sets it at creation)."""
+    try:
+        os.utime(engine_dir)
+    except OSError:  # a read-only cache (a mounted volume) is served as it is and never trimmed by its readers
+        pass
+
+
+def _last_used(engine_dir: Path) -> float:
+    try:
+        return engine_dir.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _age(path: Path, now: float) -> float:
+    return now - _last_used(path)
+
+
+def _folder_bytes(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file() and not path.is_symlink():
+                total += path.stat().st_size
+        except FileNotFoundError:  # removed under us by another process's prune
+            pass
+    return total
