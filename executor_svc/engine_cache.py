@@ -8,10 +8,13 @@ never read again. The cache is therefore bounded: once the engines in it add up 
 more than ``INFLIGHT_ENGINE_CACHE_GB`` (default 20 GiB), the least recently used
 ones are removed, as ccache or pip do with their caches. An engine in use, or
 looked up within the last minute (another server may be loading it), is kept.
+Servers that ask for the same engine at once (several executors on one cache
+volume) build it once: the others wait on a lock file beside it, then reuse it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -19,6 +22,8 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -95,15 +100,39 @@ def build_cached(
     budget = engine_cache_budget()  # a bad setting fails before a build, not after
     key = engine_cache_key(checkpoint, build, device, load_format)
     engine_dir = cache_root / "engines" / f"{checkpoint.name}-{key}"
+    _mark_used(engine_dir)  # before the check, so that another process trimming the cache now keeps it
     if is_engine_dir(engine_dir):
         log.info("using cached engine %s", engine_dir)
-        _mark_used(engine_dir)
     else:
-        log.info("building an engine for %s (cached at %s)", checkpoint, engine_dir)
-        build_engine(checkpoint, engine_dir, build, device, load_format, progress)
+        with _build_lock(engine_dir):
+            if is_engine_dir(engine_dir):
+                log.info("using %s, which another process built while this one waited", engine_dir)
+            else:
+                log.info("building an engine for %s (cached at %s)", checkpoint, engine_dir)
+                build_engine(checkpoint, engine_dir, build, device, load_format, progress)
         _mark_used(engine_dir)
     prune_engine_cache(engine_dir.parent, budget, keep=engine_dir)
     return engine_dir
+
+
+@contextmanager
+def _build_lock(engine_dir: Path) -> Iterator[None]:
+    """Held while one process builds ``engine_dir``; another process asking for the same engine waits here."""
+    engine_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(_lock_path(engine_dir), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building %s; waiting for it", engine_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _lock_path(engine_dir: Path) -> Path:
+    return engine_dir.parent / f".{engine_dir.name}.lock"
 
 
 def prune_engine_cache(engines_root: Path, budget_bytes: int, keep: Path | None = None) -> list[Path]:
@@ -138,6 +167,7 @@ def prune_engine_cache(engines_root: Path, budget_bytes: int, keep: Path | None 
         )
         shutil.rmtree(child, ignore_errors=True)
         if not child.exists():
+            _lock_path(child).unlink(missing_ok=True)  # nobody builds an engine that existed a minute ago
             total -= size
             removed.append(child)
     return removed

@@ -197,6 +197,48 @@ def test_build_cached_trims_the_cache_to_its_budget(model_dir, tmp_path, monkeyp
     assert not first.exists()  # refused before building
 
 
+_BUILD_CACHED_SCRIPT = """
+import logging, sys
+from pathlib import Path
+from executor_svc.build_config import BuildConfig
+from executor_svc.engine_cache import build_cached
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+build = BuildConfig(max_seq_len=256, tokens_per_block=16, dtype="float32")
+print(build_cached(Path(sys.argv[1]), build, Path(sys.argv[2]), device="cpu", load_format="dummy", progress=False))
+"""
+
+
+def test_processes_asking_for_the_same_engine_at_once_build_it_once(model_dir, tmp_path):
+    import fcntl
+
+    import executor_svc.engine_cache as engine_cache
+
+    build = BuildConfig(max_seq_len=256, tokens_per_block=16, dtype="float32")
+    key = engine_cache.engine_cache_key(model_dir, build, "cpu", "dummy")
+    engine_dir = tmp_path / "cache" / "engines" / f"{model_dir.name}-{key}"
+    engine_dir.parent.mkdir(parents=True)
+    logs = [tmp_path / f"server{i}.log" for i in range(2)]
+    # Hold the build lock until both processes wait on it, so that they certainly ask at the same time.
+    with open(engine_cache._lock_path(engine_dir), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _BUILD_CACHED_SCRIPT, str(model_dir), str(tmp_path / "cache")],
+                             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+            for log in logs
+        ]
+        deadline = time.monotonic() + 120
+        while not all("is building" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+            time.sleep(0.1)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    outputs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outputs == [str(engine_dir)] * 2
+    text = "".join(log.read_text() for log in logs)
+    assert text.count("building an engine") == 1
+    assert text.count("which another process built while this one waited") == 1
+    assert is_engine_dir(engine_dir)
+
+
 def test_dummy_engine_has_no_weights_file_and_loads(model_dir, tmp_path):
     manifest = build_engine(model_dir, tmp_path / "dummy", BuildConfig(max_seq_len=256, dtype="float32"), device="cpu", load_format="dummy", progress=False)
     assert manifest.load_format == "dummy" and not (tmp_path / "dummy" / "rank0.safetensors").exists()
