@@ -24,6 +24,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -135,6 +136,22 @@ def _lock_path(engine_dir: Path) -> Path:
     return engine_dir.parent / f".{engine_dir.name}.lock"
 
 
+@dataclass(frozen=True)
+class CachedEngine:
+    path: Path
+    size_bytes: int
+    last_used: float  # seconds since the epoch
+
+
+def cached_engines(engines_root: Path) -> list[CachedEngine]:
+    """The engines under ``engines_root``, least recently used first."""
+    engines = [
+        CachedEngine(child, _folder_bytes(child), _last_used(child))
+        for child in _children(engines_root) if not child.name.startswith(".") and is_engine_dir(child)
+    ]
+    return sorted(engines, key=lambda e: (e.last_used, e.path))
+
+
 def prune_engine_cache(engines_root: Path, budget_bytes: int, keep: Path | None = None) -> list[Path]:
     """Remove the least recently used engines under ``engines_root`` until the engines there take at most
     ``budget_bytes``; returns the folders removed.
@@ -143,34 +160,32 @@ def prune_engine_cache(engines_root: Path, budget_bytes: int, keep: Path | None 
     the cache is then still over its budget. Staging folders of builds that died are removed once stale.
     """
     now = time.time()
-    candidates: list[tuple[float, int, Path]] = []
-    total = 0
-    for child in _children(engines_root):
-        if child.name.startswith("."):
-            if _age(child, now) > STALE_STAGING_SECONDS:
-                log.info("removing %s, left by an engine build that did not finish", child)
-                shutil.rmtree(child, ignore_errors=True)
-            continue
-        if not is_engine_dir(child):
-            continue  # not ours to judge
-        size = _folder_bytes(child)
-        total += size
-        if child != keep and _age(child, now) >= RECENT_USE_SECONDS:
-            candidates.append((_last_used(child), size, child))
+    _remove_dead_builds(engines_root, now)
+    engines = cached_engines(engines_root)
+    total = sum(e.size_bytes for e in engines)
     removed = []
-    for _, size, child in sorted(candidates):
+    for engine in engines:
         if total <= budget_bytes:
             break
+        if engine.path == keep or now - engine.last_used < RECENT_USE_SECONDS:
+            continue
         log.info(
             "engine cache over its %.1f GiB budget (%s): removing the least recently used engine %s (%.2f GiB)",
-            budget_bytes / 2**30, BUDGET_ENV, child, size / 2**30,
+            budget_bytes / 2**30, BUDGET_ENV, engine.path, engine.size_bytes / 2**30,
         )
-        shutil.rmtree(child, ignore_errors=True)
-        if not child.exists():
-            _lock_path(child).unlink(missing_ok=True)  # nobody builds an engine that existed a minute ago
-            total -= size
-            removed.append(child)
+        shutil.rmtree(engine.path, ignore_errors=True)
+        if not engine.path.exists():
+            _lock_path(engine.path).unlink(missing_ok=True)  # nobody builds an engine that existed a minute ago
+            total -= engine.size_bytes
+            removed.append(engine.path)
     return removed
+
+
+def _remove_dead_builds(engines_root: Path, now: float) -> None:
+    for child in _children(engines_root):
+        if child.name.startswith(".") and now - _last_used(child) > STALE_STAGING_SECONDS:
+            log.info("removing %s, left by an engine build that did not finish", child)
+            shutil.rmtree(child, ignore_errors=True)
 
 
 def _children(folder: Path) -> list[Path]:
@@ -193,10 +208,6 @@ def _last_used(engine_dir: Path) -> float:
         return engine_dir.stat().st_mtime
     except FileNotFoundError:
         return 0.0
-
-
-def _age(path: Path, now: float) -> float:
-    return now - _last_used(path)
 
 
 def _folder_bytes(folder: Path) -> int:

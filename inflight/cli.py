@@ -6,6 +6,7 @@
     inflight scheduler / inflight executor   each service alone (compose, scaling)
     inflight generate  stream a completion from a running server to stdout
     inflight train-draft  Medusa-style draft heads for an engine (speculative decoding)
+    inflight cache     the engines built on the fly: list them, or trim them
 
 Logs go to stderr; ``generate`` writes only the completion to stdout.
 """
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     from inflight.train_draft import add_train_draft_parser
 
     add_train_draft_parser(sub)
+    from inflight.cache_command import add_cache_parser
+
+    add_cache_parser(sub)
     return parser
 
 
@@ -174,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.command == "generate":
         return run_generate(args)
+    if args.command == "cache":
+        from inflight.cache_command import run_cache
+
+        return run_cache(args)
     if args.command == "train-draft":
         from inflight.train_draft import run_train_draft
 
