@@ -98,7 +98,8 @@ def build_cached(
 
     Each call marks the engine as used and then trims the cache to its budget (``prune_engine_cache``).
     """
-    budget = engine_cache_budget()  # a bad setting fails before a build, not after
+    build.validate()  # bad settings fail before any lookup, lock or log of a build
+    budget = engine_cache_budget()
     key = engine_cache_key(checkpoint, build, device, load_format)
     engine_dir = cache_root / "engines" / f"{checkpoint.name}-{key}"
     _mark_used(engine_dir)  # before the check, so that another process trimming the cache now keeps it

@@ -17,6 +17,19 @@ from inflight.gc_tuning import settle_garbage_collector
 log = logging.getLogger("inflight")
 
 
+def _prepare_engine(model: str, args: argparse.Namespace) -> Path:
+    """``prepare_engine`` for a server: a bad model name or build setting ends the process with its message
+    (the traceback at --log-level DEBUG), not a traceback."""
+    from executor_svc.engine_file import EngineMismatchError
+    from executor_svc.kernel_selection import PluginUnavailableError
+
+    try:
+        return prepare_engine(model, build_config_from_args(args), args.device, args.load_format)
+    except (ValueError, ModuleNotFoundError, PluginUnavailableError, EngineMismatchError) as exc:
+        log.debug("preparing the engine for %r failed", model, exc_info=True)
+        raise SystemExit(f"inflight: cannot prepare the engine for {model!r}: {exc}") from None
+
+
 def speculative_config_from_args(args: argparse.Namespace):
     """The executor's SpeculativeConfig from the ``speculative decoding`` flags (builds a draft model when needed)."""
     from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
@@ -27,7 +40,7 @@ def speculative_config_from_args(args: argparse.Namespace):
         if not args.draft_model:
             raise SystemExit("inflight: --speculative draft_model needs --draft-model")
         # Built with the target's flags: the same tokens per block, dtype and limits.
-        draft_dir = prepare_engine(args.draft_model, build_config_from_args(args), args.device, args.load_format)
+        draft_dir = _prepare_engine(args.draft_model, args)
     from executor_svc.speculative.draft_tree import DraftTree, parse_tree
 
     try:
@@ -51,7 +64,7 @@ def run_executor(args: argparse.Namespace) -> None:
     from executor_svc.engine import RuntimeConfig, load_engine
     from executor_svc.service import serve_executor
 
-    engine_dir = prepare_engine(args.model, build_config_from_args(args), args.device, args.load_format)
+    engine_dir = _prepare_engine(args.model, args)
     runtime = RuntimeConfig(
         device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction,
         cuda_graphs=not args.enforce_eager, host_cache_bytes=int(args.host_cache_gb * 2**30),
@@ -79,7 +92,10 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     from scheduler_svc.tokenizer import Tokenizer
 
     path = Path(model_dir).expanduser()
-    tokenizer = Tokenizer(path if is_engine_dir(path) else resolve_model(model_dir))
+    try:
+        tokenizer = Tokenizer(path if is_engine_dir(path) else resolve_model(model_dir))
+    except (ValueError, ModuleNotFoundError) as exc:
+        raise SystemExit(f"inflight: --model {model_dir}: {exc}") from None
     limits = EngineLimits(
         max_batch_size=getattr(args, "max_batch_size", 0), max_num_tokens=getattr(args, "max_num_tokens", 0),
         max_seq_len=getattr(args, "max_seq_len", 0), max_queue_size=args.max_queue_size,
@@ -108,7 +124,7 @@ def run_scheduler(args: argparse.Namespace) -> None:
 def run_serve(args: argparse.Namespace) -> None:
     """The executor as a child process on loopback, the scheduler in this one."""
     # Build (or find) the engine here, once, so both processes use the same folder.
-    engine_dir = prepare_engine(args.model, build_config_from_args(args), args.device, args.load_format)
+    engine_dir = _prepare_engine(args.model, args)
     draft_dir = speculative_config_from_args(args).draft_engine_dir
     executor_cmd = [
         sys.executable, "-m", "inflight", "--log-level", args.log_level, "executor", "--model", str(engine_dir),

@@ -1,11 +1,15 @@
 """The service survives its parts going away: an executor killed mid-stream
 fails only the requests it held, the scheduler reports NOT_SERVING and answers
 UNAVAILABLE, and it serves again once an executor is back on the same address.
-Also: `inflight serve` runs both processes and stops both."""
+Also: `inflight serve` runs both processes and stops both, and a server given a bad
+model or setting exits with the message that names it."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -71,3 +75,23 @@ def test_serve_runs_both_processes(model_dir):
         stop(executor)
     finally:
         stop(serve)
+
+
+def test_servers_refuse_bad_models_and_settings_with_their_message_not_a_traceback():
+    port = str(free_port())
+    cases = {  # command line, environment -> what the message must say
+        "serve": (["serve", "--model", "no-such-model", "--port", port], {}, "Unknown model 'no-such-model'"),
+        "scheduler": (["scheduler", "--model", "no-such-model", "--port", port], {}, "Unknown model 'no-such-model'"),
+        "executor": (["executor", "--max-seq-len", "-5", "--port", port], {}, "max_seq_len must be >= 0, got -5"),
+        "cache budget": (["serve", "--port", port], {"INFLIGHT_ENGINE_CACHE_GB": "lots"},
+                         "INFLIGHT_ENGINE_CACHE_GB must be a finite number of GiB"),
+    }
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "inflight", *argv], env={**os.environ, **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (argv, env, _) in cases.items()
+    }
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode != 0, name
+        assert cases[name][2] in err and "Traceback" not in err, (name, err)
