@@ -23,11 +23,11 @@ from executor_svc.speculative.proposer import SpeculativeMode
 from executor_svc.step_pipeline import StepPipeline
 from protos import executor_pb2 as ex
 from protos import executor_pb2_grpc as ex_grpc
+from protos.grpc_settings import SERVER_OPTIONS, listen
 from protos.plan import ExecutorInfo
 
 log = logging.getLogger("inflight.executor")
 
-MAX_MESSAGE_BYTES = 64 << 20  # a NewRequest carries whole prompts
 
 
 def executor_info(runner: ModelRunner) -> ExecutorInfo:
@@ -101,12 +101,11 @@ def serve_executor(engine: Engine, address: str, overlap: bool = True) -> tuple[
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4),
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        options=SERVER_OPTIONS,
     )
     pipeline = StepPipeline(ModelRunner(engine), overlap=overlap)
     ex_grpc.add_ExecutorServicer_to_server(ExecutorService(engine, pipeline), server)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"executor could not bind {address}")
+    listen(server, address, "executor")
     server.start()
     log.info("executor serving on %s", address)
     return server, pipeline

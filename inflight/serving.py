@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,23 @@ def _prepare_engine(model: str, args: argparse.Namespace) -> Path:
     except (ValueError, ModuleNotFoundError, PluginUnavailableError, EngineMismatchError) as exc:
         log.debug("preparing the engine for %r failed", model, exc_info=True)
         raise SystemExit(f"inflight: cannot prepare the engine for {model!r}: {exc}") from None
+
+
+def _check_port_free(host: str, port: int, flag: str) -> None:
+    """End the process when a server's port is taken, before it loads a model (minutes, on a large one)
+    rather than after. Binding again later can still fail; the servers then say so too."""
+    if port == 0:  # any free port
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise SystemExit(f"inflight: cannot listen on {host}:{port}: {exc.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: a port in TIME_WAIT is free
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise SystemExit(f"inflight: cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
 
 
 def speculative_config_from_args(args: argparse.Namespace):
@@ -64,6 +82,7 @@ def run_executor(args: argparse.Namespace) -> None:
     from executor_svc.engine import RuntimeConfig, load_engine
     from executor_svc.service import serve_executor
 
+    _check_port_free(args.host, args.port, "--port")
     engine_dir = _prepare_engine(args.model, args)
     runtime = RuntimeConfig(
         device=args.device, kv_cache_bytes=int(args.kv_cache_gb * 2**30), kv_cache_fraction=args.kv_cache_fraction,
@@ -71,7 +90,10 @@ def run_executor(args: argparse.Namespace) -> None:
         speculative=speculative_config_from_args(args),
     )
     engine = load_engine(engine_dir, runtime)
-    server, runner = serve_executor(engine, f"{args.host}:{args.port}")
+    try:
+        server, runner = serve_executor(engine, f"{args.host}:{args.port}")
+    except OSError as exc:
+        raise SystemExit(f"inflight: {exc}") from None
     settle_garbage_collector()
 
     def shutdown(*_: object) -> None:
@@ -106,7 +128,11 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()
     settle_garbage_collector()
-    server = await start_scheduler_server(engine, f"{args.host}:{args.port}")
+    try:
+        server = await start_scheduler_server(engine, f"{args.host}:{args.port}")
+    except OSError as exc:
+        await engine.stop()
+        raise SystemExit(f"inflight: {exc}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -118,11 +144,14 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
 
 
 def run_scheduler(args: argparse.Namespace) -> None:
+    _check_port_free(args.host, args.port, "--port")
     asyncio.run(_run_scheduler(args, args.model, args.executor))
 
 
 def run_serve(args: argparse.Namespace) -> None:
     """The executor as a child process on loopback, the scheduler in this one."""
+    _check_port_free(args.host, args.port, "--port")
+    _check_port_free("127.0.0.1", args.executor_port, "--executor-port")
     # Build (or find) the engine here, once, so both processes use the same folder.
     engine_dir = _prepare_engine(args.model, args)
     draft_dir = speculative_config_from_args(args).draft_engine_dir

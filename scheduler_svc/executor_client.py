@@ -16,10 +16,9 @@ import grpc
 
 from protos import executor_pb2 as ex
 from protos import executor_pb2_grpc as ex_grpc
+from protos.grpc_settings import MESSAGE_SIZE_OPTIONS
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_svc import wire
-
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 class ExecutorUnavailable(RuntimeError):
@@ -43,8 +42,7 @@ class GrpcExecutorConnection:
         self._channel = grpc.aio.insecure_channel(
             address,
             options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *MESSAGE_SIZE_OPTIONS,
                 # Notice a restarted executor within seconds, not grpc's default two minutes.
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", 2000),

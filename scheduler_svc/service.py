@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import generation_pb2 as pb
 from protos import generation_pb2_grpc as pb_grpc
+from protos.grpc_settings import SERVER_OPTIONS, listen
 from scheduler_svc import wire
 from scheduler_svc.engine_loop import AsyncEngine, EngineUnavailable, QueueFull
 from scheduler_svc.validation import InvalidRequest, prompt_token_ids
@@ -19,7 +20,6 @@ from scheduler_svc.validation import InvalidRequest, prompt_token_ids
 log = logging.getLogger("inflight.scheduler")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-MAX_MESSAGE_BYTES = 64 << 20
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -66,15 +66,12 @@ class SchedulerServer:
 
 async def start_scheduler_server(engine: AsyncEngine, address: str) -> SchedulerServer:
     """Serve Generation, grpc.health.v1 and reflection on ``address``; returns the running server."""
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    )
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     pb_grpc.add_GenerationServicer_to_server(GenerationService(engine), server)
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"scheduler could not bind {address}")
+    listen(server, address, "scheduler")
     await server.start()
     task = asyncio.create_task(_mirror_health(engine, health_servicer), name="inflight-health")
     log.info("scheduler serving inflight.v1.Generation on %s", address)

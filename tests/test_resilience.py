@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,19 +80,47 @@ def test_serve_runs_both_processes(model_dir):
 
 def test_servers_refuse_bad_models_and_settings_with_their_message_not_a_traceback():
     port = str(free_port())
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = str(taken.getsockname()[1])
     cases = {  # command line, environment -> what the message must say
         "serve": (["serve", "--model", "no-such-model", "--port", port], {}, "Unknown model 'no-such-model'"),
         "scheduler": (["scheduler", "--model", "no-such-model", "--port", port], {}, "Unknown model 'no-such-model'"),
         "executor": (["executor", "--max-seq-len", "-5", "--port", port], {}, "max_seq_len must be >= 0, got -5"),
         "cache budget": (["serve", "--port", port], {"INFLIGHT_ENGINE_CACHE_GB": "lots"},
                          "INFLIGHT_ENGINE_CACHE_GB must be a finite number of GiB"),
+        # Refused before a model loads.
+        "executor port": (["executor", "--port", taken_port], {}, f"cannot listen on 127.0.0.1:{taken_port} (--port)"),
+        "serve port": (["serve", "--port", port, "--executor-port", taken_port], {},
+                       f"cannot listen on 127.0.0.1:{taken_port} (--executor-port)"),
     }
     procs = {
         name: subprocess.Popen([sys.executable, "-m", "inflight", *argv], env={**os.environ, **env},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, (argv, env, _) in cases.items()
     }
-    for name, proc in procs.items():
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode != 0, name
-        assert cases[name][2] in err and "Traceback" not in err, (name, err)
+    try:
+        for name, proc in procs.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode != 0, name
+            assert cases[name][2] in err and "Traceback" not in err, (name, err)
+            assert "building an engine" not in err and "engine ready" not in err, (name, err)
+    finally:
+        taken.close()
+
+
+def test_a_second_server_on_a_port_in_use_fails_to_bind_instead_of_sharing_it():
+    from concurrent import futures
+
+    from protos.grpc_settings import SERVER_OPTIONS, listen
+
+    first = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=SERVER_OPTIONS)
+    port = listen(first, "127.0.0.1:0", "executor")
+    first.start()
+    try:
+        second = grpc.server(futures.ThreadPoolExecutor(max_workers=1), options=SERVER_OPTIONS)
+        with pytest.raises(OSError, match=f"the executor cannot listen on 127.0.0.1:{port}: the port is in use"):
+            listen(second, f"127.0.0.1:{port}", "executor")
+    finally:
+        first.stop(grace=None)
