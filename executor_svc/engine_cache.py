@@ -6,8 +6,10 @@ covers everything the engine depends on, so an upgrade or a changed build settin
 gets a new folder rather than a stale engine; the folders it leaves behind are
 never read again. The cache is therefore bounded: once the engines in it add up to
 more than ``INFLIGHT_ENGINE_CACHE_GB`` (default 20 GiB), the least recently used
-ones are removed, as ccache or pip do with their caches. An engine in use, or
-looked up within the last minute (another server may be loading it), is kept.
+ones are removed, as ccache or pip do with their caches. The engine asked for, and
+any looked up within the last minute (another server may be loading it), stay. A
+server that has loaded an engine does not read its folder again, so removing it
+costs only a rebuild at that server's next start.
 Servers that ask for the same engine at once (several executors on one cache
 volume) build it once: the others wait on a lock file beside it, then reuse it.
 """
