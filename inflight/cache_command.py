@@ -24,9 +24,11 @@ from inflight.model_store import default_cache_dir
 def add_cache_parser(sub: argparse._SubParsersAction) -> None:
     cache = sub.add_parser("cache", help="list or trim the engines built on the fly")
     cache.add_argument("action", nargs="?", default="list", choices=["list", "prune"])
-    cache.add_argument("--cache-dir", default=None, help="cache root (default: INFLIGHT_CACHE, else ~/.cache/inflight)")
+    cache.add_argument("--cache-dir", default=None,
+                       help="cache root (default: INFLIGHT_CACHE, else ~/.cache/inflight)")
     limit = cache.add_mutually_exclusive_group()
-    limit.add_argument("--max-gb", type=float, default=None, help=f"prune: GiB to keep (default: {BUDGET_ENV}, else 20)")
+    limit.add_argument("--max-gb", type=float, default=None,
+                       help=f"prune: GiB to keep (default: {BUDGET_ENV}, else 20)")
     limit.add_argument("--all", action="store_true", help="prune: every engine not looked up in the last minute")
 
 

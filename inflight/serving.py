@@ -19,14 +19,14 @@ log = logging.getLogger("inflight")
 
 
 def _prepare_engine(model: str, args: argparse.Namespace) -> Path:
-    """``prepare_engine`` for a server: a bad model name or build setting ends the process with its message
-    (the traceback at --log-level DEBUG), not a traceback."""
+    """``prepare_engine`` for a server: a bad model name or build setting, or a build that cannot write its
+    engine (a full disk), ends the process with its message (the traceback at --log-level DEBUG)."""
     from executor_svc.engine_file import EngineMismatchError
     from executor_svc.kernel_selection import PluginUnavailableError
 
     try:
         return prepare_engine(model, build_config_from_args(args), args.device, args.load_format)
-    except (ValueError, ModuleNotFoundError, PluginUnavailableError, EngineMismatchError) as exc:
+    except (ValueError, ModuleNotFoundError, PluginUnavailableError, EngineMismatchError, OSError) as exc:
         log.debug("preparing the engine for %r failed", model, exc_info=True)
         raise SystemExit(f"inflight: cannot prepare the engine for {model!r}: {exc}") from None
 

@@ -253,7 +253,8 @@ def test_processes_asking_for_the_same_engine_at_once_build_it_once(model_dir, t
         ]
         deadline = time.monotonic() + 120
         while not all("is building" in log.read_text() for log in logs):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [log.read_text() for log in logs]
+            running = all(p.poll() is None for p in procs)
+            assert time.monotonic() < deadline and running, [log.read_text() for log in logs]
             time.sleep(0.1)
         fcntl.flock(lock, fcntl.LOCK_UN)
     outputs = [p.communicate(timeout=300)[0].strip() for p in procs]

@@ -78,21 +78,29 @@ def test_serve_runs_both_processes(model_dir):
         stop(serve)
 
 
-def test_servers_refuse_bad_models_and_settings_with_their_message_not_a_traceback():
-    port = str(free_port())
+def test_servers_refuse_bad_models_and_settings_with_their_message_not_a_traceback(tmp_path):
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     taken_port = str(taken.getsockname()[1])
+
+    def ports(*flags: str) -> list[str]:  # ports nobody holds: only the case's own fault may stop the server
+        return [arg for flag in flags for arg in (flag, str(free_port()))]
+
+    serve = ["serve", *ports("--port", "--executor-port")]
     cases = {  # command line, environment -> what the message must say
-        "serve": (["serve", "--model", "no-such-model", "--port", port], {}, "Unknown model 'no-such-model'"),
-        "scheduler": (["scheduler", "--model", "no-such-model", "--port", port], {}, "Unknown model 'no-such-model'"),
-        "executor": (["executor", "--max-seq-len", "-5", "--port", port], {}, "max_seq_len must be >= 0, got -5"),
-        "cache budget": (["serve", "--port", port], {"INFLIGHT_ENGINE_CACHE_GB": "lots"},
+        "serve": ([*serve, "--model", "no-such-model"], {}, "Unknown model 'no-such-model'"),
+        "scheduler": (["scheduler", "--model", "no-such-model", *ports("--port")], {}, "Unknown model 'no-such-model'"),
+        "executor": (["executor", "--max-seq-len", "-5", *ports("--port")], {}, "max_seq_len must be >= 0, got -5"),
+        "cache budget": (["serve", *ports("--port", "--executor-port")], {"INFLIGHT_ENGINE_CACHE_GB": "lots"},
                          "INFLIGHT_ENGINE_CACHE_GB must be a finite number of GiB"),
+        "unwritable cache": (["executor", *ports("--port")], {"INFLIGHT_CACHE": str(not_a_folder / "cache")},
+                             "Not a directory"),
         # Refused before a model loads.
         "executor port": (["executor", "--port", taken_port], {}, f"cannot listen on 127.0.0.1:{taken_port} (--port)"),
-        "serve port": (["serve", "--port", port, "--executor-port", taken_port], {},
+        "serve port": (["serve", *ports("--port"), "--executor-port", taken_port], {},
                        f"cannot listen on 127.0.0.1:{taken_port} (--executor-port)"),
     }
     procs = {
