@@ -18,6 +18,7 @@ from pathlib import Path
 from executor_svc.engine_cache import (
     BUDGET_ENV, RECENT_USE_SECONDS, cached_engines, engine_cache_budget, prune_engine_cache,
 )
+from executor_svc.engine_file import EngineMismatchError, read_manifest
 from inflight.model_store import default_cache_dir
 
 
@@ -52,11 +53,27 @@ def run_cache(args: argparse.Namespace) -> int:
     engines = cached_engines(engines_root)
     now = time.time()
     for engine in reversed(engines):  # most recently used first
-        print(f"{_gib(engine.size_bytes):>10}  {_ago(now - engine.last_used):>16}  {engine.path.name}")
+        print(f"{_gib(engine.size_bytes):>10}  {_ago(now - engine.last_used):>16}  {engine.path.name}  "
+              f"{_what(engine.path)}")
     total = sum(e.size_bytes for e in engines)
     print(f"{len(engines)} engine(s) in {engines_root}: {_gib(total)} of a {_gib(budget)} budget ({BUDGET_ENV}); "
           f"engines looked up within {RECENT_USE_SECONDS:.0f} s are never removed")
     return 0
+
+
+def _what(engine_dir: Path) -> str:
+    """The engine's dtype, quantization, limits and device, or why its manifest cannot be read."""
+    try:
+        manifest = read_manifest(engine_dir)
+    except (EngineMismatchError, ValueError, KeyError, TypeError) as exc:  # another version's format
+        return f"(unreadable here: {str(exc).splitlines()[0][:80]})"
+    build = manifest.build_config
+    quant = build.quant_config.describe()
+    weights = manifest.dtype + (f", {quant}" if quant != "none" else "")
+    if manifest.load_format == "dummy":
+        weights += ", random weights"
+    return (f"{weights}, batch {build.max_batch_size}, {manifest.max_seq_len} tokens, "
+            f"on {manifest.device.describe()}")
 
 
 def _gib(size: int) -> str:

@@ -177,24 +177,28 @@ def test_engine_cache_removes_the_least_recently_used_engines_beyond_its_budget(
     assert recent.is_dir() and asked.is_dir()
 
 
-def test_cache_command_lists_and_trims_the_engines(tmp_path, capsys, monkeypatch):
+def test_cache_command_lists_and_trims_the_engines(model_dir, tmp_path, capsys, monkeypatch):
     from inflight.cli import main
 
     monkeypatch.delenv("INFLIGHT_ENGINE_CACHE_GB", raising=False)
     now = time.time()
     root = tmp_path / "engines"
-    old = _fake_engine(root, "m-old", 3000, now - 2 * 86400)
-    new = _fake_engine(root, "m-new", 2000, now - 600)
+    old = _fake_engine(root, "m-old", 3000, now - 2 * 86400)  # its manifest is not one this version reads
+    new = root / "smol-dummy"
+    build_engine(model_dir, new, BuildConfig(max_batch_size=8, max_seq_len=256, dtype="float32"), device="cpu",
+                 load_format="dummy", progress=False)
+    os.utime(new, (now - 600, now - 600))
+    new_bytes = sum(p.stat().st_size for p in new.rglob("*") if p.is_file())
     conversion = tmp_path / "m-checkpoint"  # a model conversion beside engines/: never the cache command's
     conversion.mkdir()
 
     assert main(["cache", "--cache-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].endswith("m-new") and "used 10 min ago" in lines[0]
-    assert lines[1].endswith("m-old") and "used 2 d ago" in lines[1]
+    assert "used 10 min ago  smol-dummy  float32, random weights, batch 8, 256 tokens, on cpu (" in lines[0]
+    assert "used 2 d ago  m-old  (unreadable here: " in lines[1]
     assert lines[2].startswith("2 engine(s)") and "of a 20.00 GiB budget" in lines[2]
 
-    assert main(["cache", "prune", "--cache-dir", str(tmp_path), "--max-gb", str(2500 / 2**30)]) == 0
+    assert main(["cache", "prune", "--cache-dir", str(tmp_path), "--max-gb", str((new_bytes + 100) / 2**30)]) == 0
     assert capsys.readouterr().out.splitlines() == [f"removed {old}", "1 engine(s) removed; 1 left, 0.00 GiB"]
     assert main(["cache", "prune", "--cache-dir", str(tmp_path), "--all"]) == 0
     assert not old.exists() and not new.exists() and conversion.is_dir()
