@@ -29,7 +29,6 @@ from protos.plan import ExecutorInfo
 log = logging.getLogger("inflight.executor")
 
 
-
 def executor_info(runner: ModelRunner) -> ExecutorInfo:
     engine, spec = runner.engine, runner.engine.speculative
     return ExecutorInfo(

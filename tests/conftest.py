@@ -62,15 +62,10 @@ def private_cache(tmp_path_factory) -> Iterator[Path]:
         for entry in user_cache.iterdir():
             if entry.is_dir() and (entry / "config.json").is_file() and any(entry.glob("*.safetensors")):
                 (root / entry.name).symlink_to(entry.resolve(), target_is_directory=True)
-    settings = {"INFLIGHT_CACHE": str(root), "INFLIGHT_ENGINE_CACHE_GB": "1"}
-    saved = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    yield root
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("INFLIGHT_CACHE", str(root))
+        patch.setenv("INFLIGHT_ENGINE_CACHE_GB", "1")
+        yield root
     shutil.rmtree(root, ignore_errors=True)
 
 
