@@ -40,6 +40,7 @@ from executor_svc.speculative.proposer import MAX_DRAFT_TOKENS, DraftRequest, Ng
 from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsRunner, emitted_tokens
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
+from kvcache.layout import scratch_block
 from protos.plan import NewRequest, RequestOutput, StepPlan, StepResult
 
 
@@ -68,6 +69,12 @@ class RequestState:
 
 
 Scheduled = tuple[str, RequestState, int]  # (request id, state, tokens to compute)
+
+
+def _rounds_end(state: RequestState, rounds: int, k: int, rows: int) -> int:
+    """The KV slots up to which a request's chained rounds of k drafts and ``rows`` rows each may write: every
+    round but the last moves on by at most 1 + k tokens; the last writes all its rows (a tree's every node)."""
+    return state.num_computed_tokens + (rounds - 1) * (1 + k) + rows
 
 
 @dataclass(slots=True)
@@ -375,11 +382,12 @@ class ModelRunner:
             )
         if state.sampling.needs_output_history:
             return "drafts cannot be verified for a request with penalties or min_tokens"
-        # Every round but the last moves on by at most 1 + k tokens; the last writes all its rows.
-        end = state.num_computed_tokens + (rounds - 1) * (1 + k) + count // rounds
-        if end > len(state.block_table) * self.tokens_per_block or end > self.engine.max_seq_len:
+        end = _rounds_end(state, rounds, k, count // rounds)
+        # Slots past what the request may ever hold need no block of its own: those rows write the scratch block.
+        kept = min(end, state.max_num_tokens) if state.max_num_tokens else end
+        if kept > len(state.block_table) * self.tokens_per_block or end > self.engine.max_seq_len:
             return (
-                f"{rounds} rounds of {count // rounds} tokens need {end} KV slots: the blocks hold "
+                f"{rounds} rounds of {count // rounds} tokens need {kept} KV slots: the blocks hold "
                 f"{len(state.block_table) * self.tokens_per_block}, max_seq_len is {self.engine.max_seq_len}"
             )
         return ""
@@ -388,11 +396,14 @@ class ModelRunner:
     def _launch_rounds(self, step: LaunchedStep, drafts: dict[str, list[int]]) -> None:
         """Queue a step of chained verification rounds (``speculative/rounds.py``) and the copy of their tokens."""
         start_mark = self.timeline.mark() if self.timeline is not None else None
-        requests = [
-            RoundsRequest(state.token_ids, state.block_table, drafts[request_id], state.sampling,
-                          state.stop_token_ids, state.max_num_tokens)
-            for request_id, state, _ in step.scheduled
-        ]
+        scratch, per_block, rounds = scratch_block(self.engine.kv_cache), self.tokens_per_block, step.num_rounds
+        requests = []
+        for request_id, state, count in step.scheduled:
+            # Rounds may run past the request's length limit: its table goes on with the scratch block there.
+            blocks = -(-_rounds_end(state, rounds, step.num_drafts, count // rounds) // per_block)
+            table = state.block_table + [scratch] * (blocks - len(state.block_table))
+            requests.append(RoundsRequest(state.token_ids, table, drafts[request_id], state.sampling,
+                                          state.stop_token_ids, state.max_num_tokens))
         forward_start = time.perf_counter()
         # Draft heads also draft the next step's first round here: as many as any request will ask for.
         next_drafts = 0

@@ -37,6 +37,13 @@ class KVCacheLayout:
         return torch.zeros(shape, dtype=self.dtype, device=device)
 
 
+def scratch_block(kv_cache: torch.Tensor) -> int:
+    """The block no request owns: an engine allocates one block past the scheduler's (executor_svc/engine.py),
+    which rows whose keys and values nobody reads write (CUDA graph padding, chained rounds past a request's
+    length limit)."""
+    return kv_cache.shape[2] - 1
+
+
 def slot_mapping(block_table: list[int], start: int, end: int, tokens_per_block: int) -> list[int]:
     """Flat cache slots of token positions ``[start, end)`` of one request."""
     return [block_table[pos // tokens_per_block] * tokens_per_block + pos % tokens_per_block for pos in range(start, end)]

@@ -44,7 +44,9 @@ k so that a round's rows fit the executor's batch), a step may run up to
 looking up the later rounds' drafts on the device (a request the host had no
 drafts for starts from padding); the step computes R * (1 + k) tokens per
 request, and the result moves ``num_computed_tokens`` back past what the rounds
-did not emit.
+did not emit. Rounds are not cut to a request's max_tokens: the executor ends
+the step once every request reached its limit and writes the rows past it into
+its scratch block, and the tokens past the limit are dropped here.
 """
 
 from __future__ import annotations
@@ -206,14 +208,23 @@ class Scheduler:
                 count = missing if missing <= budget else self._chunk(missing, budget)
                 if count == 0:
                     continue
-            if propose_now:
+            if propose_now and rounds > 1:
+                # Where chained rounds leave the request is known only from their result (and may be its end):
+                # the next step cuts these drafts to its room then.
+                propose, lookahead = (propose_now if request.can_speculate else 0), 0
+                asked = asked or propose > 0
+            elif propose_now:
                 propose, lookahead = self._propose_for(request, computed + count, held, propose_now)
                 asked = asked or propose > 0
             else:
                 propose = lookahead = 0
-            # Chained tree rounds compute more tokens than they can leave in the cache.
-            span = self.config.rounds_kv_span(draft_length, rounds) if rounds > 1 else count
-            need = computed + span + lookahead
+            if rounds > 1:
+                # Chained tree rounds compute more tokens than they can leave in the cache. Slots past what the
+                # request may ever hold are not allocated: rows there go to the executor's scratch block.
+                span = self.config.rounds_kv_span(draft_length, rounds)
+                need = min(computed + span + lookahead, request.max_total_tokens)
+            else:
+                need = computed + count + lookahead
             new_blocks = allocate_slots(request_id, need)
             while new_blocks is None:  # no free block: MAX_UTILIZATION preempts (the other policy reserved them)
                 assert not self.guaranteed, "a GUARANTEED_NO_EVICT request ran out of reserved blocks"
@@ -319,8 +330,11 @@ class Scheduler:
         if policy.trial:
             rounds = min(rounds, TRIAL_ROUNDS)
         for request in order:
-            # What the rounds may write must fit what the request may still hold (``rounds_kv_span``).
-            room = min(request.stopping.max_tokens - len(request.output_token_ids), cfg.max_seq_len - request.num_tokens)
+            # Rounds may run past max_tokens: the executor stops them once every request has reached its limit,
+            # this scheduler keeps no token past it, and the rows past what a request may hold write their KV
+            # into the executor's scratch block. Capping them there instead made every step near a request's end
+            # a short one, each paying a step's host round trip. Positions must stay within max_seq_len.
+            room = cfg.max_seq_len - request.num_tokens
             rounds = min(rounds, (room - rows) // (1 + draft_length) + 1 if room >= rows else 0)
         return max(1, rounds)
 
@@ -490,7 +504,12 @@ class Scheduler:
         request.num_scheduled_drafts = 0
         request.num_scheduled_rounds = 1
         stats = self.drafts
+        left = request.stopping.max_tokens - len(request.output_token_ids)  # tokens it may still emit
         for accepted, guesses in zip(per_round, drafted):
+            if left <= 0:
+                break  # rounds past the length limit: their tokens are dropped, their drafts count for nothing
+            emitted, guesses = accepted + 1, min(guesses, left - 1)  # drafts past the limit count for nothing
+            left -= emitted
             # Statistics count real guesses only: a padded draft that happened to match is no acceptance.
             accepted = min(accepted, guesses)
             request.acceptance.observe(guesses, accepted, k)

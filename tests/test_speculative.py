@@ -24,6 +24,7 @@ from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_dr
 from executor_svc.sampler import RequestSamplingState
 from protos.plan import CachedRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
 from scheduler_svc.api_types import GenerationRequest
+from scheduler_svc.request import FinishReason
 from scheduler_svc.speculation import Candidate, DraftLengthPolicy, expected_accepted
 from tests.conftest import PROMPTS, TEST_DEVICE, run_async, tiny_llama_config
 from tests.test_scheduler import make_request, make_scheduler
@@ -434,14 +435,31 @@ def test_trial_draft_lengths_chain_few_rounds_and_chained_costs_price_chains():
     assert policy.choose(many, 0, chainable=True) == 3 and policy.trial
 
 
-def test_chained_rounds_stay_within_max_tokens():
+def test_chained_rounds_run_past_max_tokens_without_blocks_for_it():
+    """Near a request's end its step still chains every round: the executor stops them at the length limit,
+    the rows past it write the scratch block (no block of the pool), and the tokens past it are dropped."""
     s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8, adaptive_draft_length=False)
     s.add_request(make_request("a", 6, max_tokens=10))
     plan = s.schedule()
     s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3])]))
     plan = s.schedule()
-    # 9 more tokens may follow: two rounds of 1 + 3 (a third could overrun max_tokens).
-    assert (plan.cached_requests[0].num_rounds, plan.cached_requests[0].num_scheduled_tokens) == (2, 8)
+    # 9 more tokens may follow, and 8 rounds of 1 + 3 run; blocks cover the 16 tokens "a" may hold, no more.
+    assert (plan.cached_requests[0].num_rounds, plan.cached_requests[0].num_scheduled_tokens) == (8, 32)
+    block = s.config.tokens_per_block
+    assert len(s.kv.block_table("a")) == -(-16 // block)
+    # Three rounds emitted 4 + 4 + 3 tokens, two past the limit: the request ends at max_tokens.
+    emitted = list(range(200, 211))
+    output = RequestOutput("a", emitted, [], 8, round_accepted=[3, 3, 2], round_drafted=[3, 3, 3])
+    (update,) = s.update(StepResult(plan.step_id, [output], step_us=3000))
+    assert update.new_token_ids == emitted[:9] and update.finish_reason is FinishReason.LENGTH
+    assert s.kv.stats().num_free_blocks == s.config.num_kv_blocks
+    # Positions stay within max_seq_len: a request near it chains only the rounds that fit.
+    s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=8, adaptive_draft_length=False, max_seq_len=24)
+    s.add_request(make_request("b", 6, max_tokens=18))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput("b", [100], [1, 2, 3])]))
+    # 7 tokens held, 17 positions left: four rounds of 1 + 3 write up to position 6 + 3 * 4 + 3.
+    assert s.schedule().cached_requests[0].num_rounds == 4
 
 
 def test_draft_length_follows_the_measured_step_cost():
@@ -793,6 +811,17 @@ def test_executor_rejects_malformed_rounds(engine):
     mixed = StepPlan(10, cached_requests=[CachedRequest("a", 4, 8, [], [5], num_rounds=2), CachedRequest("b", 4, 1)])
     result = runner.execute(mixed)
     assert "whole step" in result.request_errors["a"] and "b" not in result.request_errors
+    # Past its length limit a request needs no blocks: those rows write the scratch block. Up to the limit it does.
+    for step, (limit, table, error) in enumerate([(4 + 10, [0], False), (4 + 2 * block, [0], True)], start=11):
+        runner.execute(StepPlan(step, finished_request_ids=["a", "b"]))
+        runner.execute(StepPlan(step, new_requests=[NewRequest("a", [1, 2, 3, 4], 4, 0, 4, table, greedy,
+                                                               max_num_tokens=limit)]))
+        rounds = CachedRequest("a", 4, 4 * block, [], [5], num_rounds=block)
+        result = runner.execute(StepPlan(step, cached_requests=[rounds]))
+        assert ("KV slots" in result.request_errors.get("a", "")) == error
+        if not error:  # the rounds stop once the limit is reached
+            (output,) = result.outputs
+            assert len(output.token_ids) >= 10 - 1 and len(output.round_accepted) < block
 
 
 def test_chained_rounds_end_once_every_request_has_finished(engine, tokenizer):

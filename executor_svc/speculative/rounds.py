@@ -24,7 +24,9 @@ plan's drafts are padded to k with the last token; a wrong guess is simply
 rejected), so each round is one graph replay of B * (k + 1) rows. The
 scheduler reserves KV slots for R * (1 + k) tokens per request, the most the
 rounds can write, and takes back what they did not use when the result
-arrives.
+arrives. Rounds may run past a request's length limit (the step then ends
+once every request reached it, ``round_stops.py``): the slots past what the
+request may hold are the scratch block's, and the tokens there are dropped.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from executor_svc.speculative.ngram import ngram_drafts_on_device
 from executor_svc.speculative.round_stops import RoundStops
 from executor_svc.speculative.tree_rounds import TreeRounds
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
-from kvcache.layout import device_slots
+from kvcache.layout import device_slots, scratch_block
 
 
 @dataclass(slots=True)
@@ -52,7 +54,8 @@ class RoundsRequest:
     """One request's part in a step of chained rounds."""
 
     token_ids: list[int]  # every token it holds; the last one is not in the KV cache yet
-    # Covers len(token_ids) - 1 + (rounds - 1) * (1 + num_drafts) + one round's rows positions.
+    # Covers len(token_ids) - 1 + (rounds - 1) * (1 + num_drafts) + one round's rows positions; past the
+    # request's length limit with the scratch block (rows there emit nothing that is kept).
     block_table: list[int]
     drafts: list[int]  # the first round's drafts (at most num_drafts)
     sampling: RequestSamplingState
@@ -257,8 +260,9 @@ class RoundsRunner:
         history = history.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else history
         lens = to_device([len(r.token_ids) for r in requests], torch.int64, device)
         drafts = to_device([r.drafts[:k] + [r.token_ids[-1]] * (k - len(r.drafts[:k])) for r in requests], torch.int64, device)
+        scratch = scratch_block(self.kv_cache)
         tables = to_device(
-            [(r.block_table + [0] * table_width)[:table_width] for r in requests], torch.int64, device,
+            [(r.block_table + [scratch] * table_width)[:table_width] for r in requests], torch.int64, device,
         )
         return history, lens, drafts, tables
 

@@ -41,6 +41,7 @@ from executor_svc.sampler import RequestSamplingState
 from executor_svc.speculative.draft_tree import (
     DraftTree, TreeTensors, move_accepted_kv, tree_round_inputs, tree_verdict, tree_verdict_sampled,
 )
+from kvcache.layout import scratch_block
 from plugins.attention_metadata import AttentionMetadata
 
 
@@ -210,9 +211,9 @@ class TreeRounds:
 
     def _state(self, requests: Sequence, width: int, padded: int, k: int) -> _TreeState:
         """The step's requests as device tensors, padded with requests that read and write only the scratch
-        block (when there is one)."""
+        block."""
         device = self.kv_cache.device
-        scratch = self.graphs.scratch_block if self.graphs is not None else 0
+        scratch = scratch_block(self.kv_cache)
         extra = padded - len(requests)
         tables = [(r.block_table + [scratch] * width)[:width] for r in requests] + [[scratch] * width] * extra
         return _TreeState(
