@@ -407,9 +407,11 @@ class DraftLengthPolicy:
             return self.last_k
         base = other_tokens + len(candidates)
         size = _bucket(base)
-        if self.costs.recent and size not in self._plain_sizes and size not in self._plain_tried:
+        drafted = self.costs.recent or self.chained_costs.recent
+        if drafted and size not in self._plain_sizes and size not in self._plain_tried:
             # Steps with drafts were measured but a plain step of this size never was: its cost would be
-            # read off the longer, drafted steps (no cheaper, so speculation would look free). Run one
+            # read off the longer, drafted steps (no cheaper, so speculation would look free), or, where every
+            # step chained rounds, not be known at all (each step a two-round trial, for good). Run one
             # plain step to learn it, as K > 0 was once tried unmeasured; once per size (a step that
             # also carries prompt chunks is not measured, and must not hold speculation off). last_k
             # stays: drafts keep coming, so the next step speculates again at once if that pays.

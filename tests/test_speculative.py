@@ -512,6 +512,13 @@ def test_a_plain_step_is_measured_before_speculation_is_judged_free():
     assert fast.choose([Candidate("a", 8, 0.8)], 0) == 0  # the plain step, measured once
     fast.observe(1, 0.0013, overlapped=False, executor_seconds=0.0012)
     assert fast.choose([Candidate("a", 8, 0.8)], 0) == 8
+    # Every step chained rounds: the plain step is measured all the same, then rounds stop being trials.
+    chained = DraftLengthPolicy(max_draft_tokens=8)
+    assert chained.choose(one, 0, draining=True, chainable=True) == 8 and chained.trial
+    chained.observe(9, 0.0009, overlapped=False, executor_seconds=0.0008, plain=False, chained=True, rounds=2)
+    assert chained.choose(one, 0, draining=True, chainable=True) == 0
+    chained.observe(1, 0.0013, overlapped=False, executor_seconds=0.0012)
+    assert chained.choose([Candidate("a", 8, 0.8)], 0, draining=True, chainable=True) == 8 and not chained.trial
 
 
 def test_a_slow_first_step_does_not_rule_its_size_out():
