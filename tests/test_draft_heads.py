@@ -308,8 +308,10 @@ def test_untrained_recurrent_head_repeats_the_targets_choice(engine, held_out_hi
 
 
 def test_recurrent_training_and_serving_paths_agree(engine, recurrent_trained, held_out_hidden):
-    """Fed its own drafts, the teacher-forced training forward picks exactly what ``propose`` drafted."""
+    """Fed its own drafts, the teacher-forced training forward picks exactly what ``propose`` drafted, among the
+    tokens of the draft vocabulary ``propose`` drafts from (the training forward scores every token)."""
     head, _ = recurrent_trained
+    assert head.draft_vocab is not None  # trained with the default vocabulary
     hidden = held_out_hidden[1][:40]
     with torch.inference_mode():
         first = engine.model.compute_logits(hidden).argmax(-1)
@@ -317,7 +319,7 @@ def test_recurrent_training_and_serving_paths_agree(engine, recurrent_trained, h
         fed = torch.cat([first[:, None], drafts[:, :2]], dim=1)  # step i is fed the token before draft i
         logits, states = head(hidden, engine.model, fed)
     assert states.shape == (40, 3, engine.model_config.hidden_size)
-    assert torch.equal(logits.argmax(-1), drafts)
+    assert torch.equal(head.vocab_ids(logits.index_select(-1, head.draft_vocab).argmax(-1)), drafts)
 
 
 def test_recurrent_distillation_makes_chains_accepted(recurrent_trained):
