@@ -507,9 +507,9 @@ class Scheduler:
         left = request.stopping.max_tokens - len(request.output_token_ids)  # tokens it may still emit
         for accepted, guesses in zip(per_round, drafted):
             if left <= 0:
-                break  # rounds past the length limit: their tokens are dropped, their drafts count for nothing
-            emitted, guesses = accepted + 1, min(guesses, left - 1)  # drafts past the limit count for nothing
-            left -= emitted
+                break  # rounds past the length limit: their tokens are dropped, and their drafts count for nothing
+            guesses = min(guesses, left - 1)  # nor do a round's drafts that would have run past it
+            left -= accepted + 1
             # Statistics count real guesses only: a padded draft that happened to match is no acceptance.
             accepted = min(accepted, guesses)
             request.acceptance.observe(guesses, accepted, k)
