@@ -318,7 +318,7 @@ class Scheduler:
     def _chained_rounds(self, order: list[Request], draft_length: int, chainable: bool) -> int:
         """Verification rounds for this step: more than one only when the step may chain them
         (``_chain_draft_limit``; a request without drafts of its own starts from padding, and the device looks up
-        its later rounds' drafts), drafts are verified, and each request has room for what they may emit;
+        its later rounds' drafts), drafts are verified, and their rows stay within max_seq_len (not max_tokens);
         at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
         which then costs two rounds if wrong, not every round."""
         cfg = self.config
