@@ -41,6 +41,7 @@ from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsR
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
 from kvcache.layout import scratch_block
+from kvcache.manager import blocks_for_tokens
 from protos.plan import NewRequest, RequestOutput, StepPlan, StepResult
 
 
@@ -396,11 +397,12 @@ class ModelRunner:
     def _launch_rounds(self, step: LaunchedStep, drafts: dict[str, list[int]]) -> None:
         """Queue a step of chained verification rounds (``speculative/rounds.py``) and the copy of their tokens."""
         start_mark = self.timeline.mark() if self.timeline is not None else None
-        scratch, per_block, rounds = scratch_block(self.engine.kv_cache), self.tokens_per_block, step.num_rounds
+        scratch, rounds = scratch_block(self.engine.kv_cache), step.num_rounds
         requests = []
         for request_id, state, count in step.scheduled:
             # Rounds may run past the request's length limit: its table goes on with the scratch block there.
-            blocks = -(-_rounds_end(state, rounds, step.num_drafts, count // rounds) // per_block)
+            end = _rounds_end(state, rounds, step.num_drafts, count // rounds)
+            blocks = blocks_for_tokens(end, self.tokens_per_block)
             table = state.block_table + [scratch] * (blocks - len(state.block_table))
             requests.append(RoundsRequest(state.token_ids, table, drafts[request_id], state.sampling,
                                           state.stop_token_ids, state.max_num_tokens))

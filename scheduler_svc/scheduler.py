@@ -208,16 +208,15 @@ class Scheduler:
                 count = missing if missing <= budget else self._chunk(missing, budget)
                 if count == 0:
                     continue
-            if propose_now and rounds > 1:
+            if not propose_now:
+                propose = lookahead = 0
+            elif rounds > 1:
                 # Where chained rounds leave the request is known only from their result (and may be its end):
                 # the next step cuts these drafts to its room then.
                 propose, lookahead = (propose_now if request.can_speculate else 0), 0
-                asked = asked or propose > 0
-            elif propose_now:
-                propose, lookahead = self._propose_for(request, computed + count, held, propose_now)
-                asked = asked or propose > 0
             else:
-                propose = lookahead = 0
+                propose, lookahead = self._propose_for(request, computed + count, held, propose_now)
+            asked = asked or propose > 0
             if rounds > 1:
                 # Chained tree rounds compute more tokens than they can leave in the cache. Slots past what the
                 # request may ever hold are not allocated: rows there go to the executor's scratch block.
