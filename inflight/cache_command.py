@@ -12,6 +12,7 @@ checkpoints engines are built from.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def run_cache(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"inflight cache: {exc}") from None
     if args.action == "prune":
-        if args.max_gb is not None and not args.max_gb >= 0:
-            raise SystemExit(f"inflight cache: --max-gb must be 0 or more, got {args.max_gb}")
+        if args.max_gb is not None and not (math.isfinite(args.max_gb) and args.max_gb >= 0):
+            raise SystemExit(f"inflight cache: --max-gb must be a finite number of GiB, 0 or more, got {args.max_gb}")
         keep_bytes = 0 if args.all else budget if args.max_gb is None else int(args.max_gb * 2**30)
         removed = prune_engine_cache(engines_root, keep_bytes)
         for path in removed:

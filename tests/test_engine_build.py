@@ -202,8 +202,9 @@ def test_cache_command_lists_and_trims_the_engines(model_dir, tmp_path, capsys, 
     assert capsys.readouterr().out.splitlines() == [f"removed {old}", "1 engine(s) removed; 1 left, 0.00 GiB"]
     assert main(["cache", "prune", "--cache-dir", str(tmp_path), "--all"]) == 0
     assert not old.exists() and not new.exists() and conversion.is_dir()
-    with pytest.raises(SystemExit, match="--max-gb must be 0 or more"):
-        main(["cache", "prune", "--cache-dir", str(tmp_path), "--max-gb", "-1"])
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(SystemExit, match="--max-gb must be a finite number of GiB, 0 or more"):
+            main(["cache", "prune", "--cache-dir", str(tmp_path), "--max-gb", bad])
 
 
 def test_build_cached_trims_the_cache_to_its_budget(model_dir, tmp_path, monkeypatch):
