@@ -343,6 +343,22 @@ def time_us(fn, device, warmup: int, repeats: int, before_each=None) -> float:
     return float(np.median(samples))
 
 
+def kernel_rows(prof, per: int, top: int = 30) -> list[dict]:
+    """Device time by kernel from a finished torch profiler ``prof``, divided by ``per`` (the steps or forwards
+    it ran): ``[{"kernel", "calls", "us"}]``, longest first, the first ``top``. aten ops and CUDA runtime calls
+    are left out (an aten op repeats its kernels' time)."""
+    rows = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us <= 0 or event.key.startswith(("aten::", "cuda")):
+            continue
+        rows.append({"kernel": event.key[:120], "calls": round(event.count / per, 2), "us": round(device_us / per, 2)})
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
 def write_report(script: str, argv: list[str] | None, device: str, output: Path, payload: dict) -> None:
     """The JSON result: command, commit, date and machine first, then ``payload``."""
     import datetime as dt

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import device_info, git_info, log, resolve_device_and_dtype  # noqa: E402
+from bench_common import device_info, git_info, kernel_rows, log, resolve_device_and_dtype  # noqa: E402
 from model_shapes import SHAPES, shape_folder  # noqa: E402
 from quant_common import environment, greedy_generate, scratch_dir  # noqa: E402
 
@@ -158,16 +158,8 @@ def profile_kernels(engine, prompts: list[list[int]], steps: int, top: int = 30)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         greedy_generate(engine, prompts, steps + 1)  # + the context step, excluded below by per-step division
-    rows = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0)
-        if device_us <= 0 or event.key.startswith(("aten::", "cuda")):
-            continue  # kernels only (aten ops repeat their kernels' time)
-        rows.append({"kernel": event.key[:120], "calls_per_step": round(event.count / steps, 2),
-                     "us_per_step": round(device_us / steps, 2)})
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows = [{"kernel": r["kernel"], "calls_per_step": r["calls"], "us_per_step": r["us"]}
+            for r in kernel_rows(prof, steps, top=10_000)]
     return {"steps": steps, "note": "includes the one context step spread over the steps",
             "gpu_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "kernels": rows[:top]}
 

@@ -19,7 +19,13 @@ CUDA-graph replays, on random weights of a shape (acceptance plays no part):
 * ``round_k{k}_vocab{n}_ms`` / ``chain_k{k}_vocab{n}_ms``: the Triton chain
   drafting from a draft vocabulary of n tokens (``--draft-vocab``), whose
   LM-head GEMV reads n rows instead of the whole vocabulary's (which n tokens
-  plays no part in the time).
+  plays no part in the time);
+* ``kernels`` (with ``--kernels N``): device time by kernel, under the torch
+  profiler over N replays, of the one-row forward, a forward of 1 + k rows
+  (k = ``--kernels-drafts``) and one chained round verifying k drafts (heads
+  with prompt lookup, as ``draft_heads:lookup2`` serves them), with
+  each one's summed kernel time (what the device is busy for, against the
+  CUDA-event times above, which include its idle gaps).
 
 ``--gemv-rows N`` is an experiment: route up to N rows through the 16-bit
 GEMV with its one-row tile, whatever the build timed (0: the engine's own
@@ -39,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import log, time_us, write_report  # noqa: E402
+from bench_common import kernel_rows, log, time_us, write_report  # noqa: E402
 from model_shapes import SHAPES, shape_folder  # noqa: E402
 
 
@@ -155,8 +161,38 @@ def run(args: argparse.Namespace) -> dict:
                             *((f"_vocab{size}", chains[f"_vocab{size}"]) for size in args.draft_vocab)):
             for k in (1, 2, 3, 4):
                 out[f"chain_k{k}{name}_ms"] = round(gpu_ms(lambda: chain.draft(hidden_rows, 1, k), 50), 4)
+        if args.kernels:
+            k = args.kernels_drafts
+            # As served with heads and prompt lookup (draft_heads:lookup2): a round verifies k drafts whether
+            # the heads make that many or not (prefer_lookup pads them).
+            chain = chains[f"_vocab{args.draft_vocab[-1]}" if args.draft_vocab else ""]
+            runner = RoundsRunner(eng.model, eng.kv_cache, eng.decode_graphs, eng.tokens_per_block, (2, 4), chain,
+                                  heads_lookup=True)
+            runner.warm_up([k])
+            out["kernels"] = {
+                "forward_1_rows": _kernel_profile(lambda: forward(1), args.kernels),
+                f"forward_{k + 1}_rows": _kernel_profile(lambda: forward(k + 1), args.kernels),
+                f"round_k{k}": _kernel_profile(lambda: runner.run([request()], k, 8, k), args.kernels, per_call=8),
+            }
     log(", ".join(f"{key} {value}" for key, value in out.items() if key.endswith("_ms")))
     return out
+
+
+def _kernel_profile(fn, repeats: int, per_call: int = 1) -> dict:
+    """Device time by kernel of one of ``per_call`` units that each ``fn()`` runs, over ``repeats`` calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    rows = kernel_rows(prof, repeats * per_call, top=10_000)
+    return {"kernel_us": round(sum(r["us"] for r in rows), 1), "launches": round(sum(r["calls"] for r in rows), 1),
+            "kernels": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemv-rows", type=int, default=0, help="experiment: up to this many rows on the GEMV (0: off)")
     p.add_argument("--draft-vocab", default="8192,16384",
                    help="comma-separated draft vocabulary sizes to time the Triton chain with ('' for none)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="also profile N replays of the 1-row forward, the (1 + k)-row one and a round by kernel")
+    p.add_argument("--kernels-drafts", type=int, default=8, metavar="K", help="the drafts k of --kernels")
     p.add_argument("--output", type=Path, default=Path("bench/results/round_cost.json"))
     args = p.parse_args(argv)
     args.draft_vocab = [int(v) for v in args.draft_vocab.split(",") if v]

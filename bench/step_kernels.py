@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import log, write_report  # noqa: E402
+from bench_common import kernel_rows, log, write_report  # noqa: E402
 from model_shapes import add_model_source_args, default_load_format, resolve_model_source  # noqa: E402
 
 # Kernel name patterns, first match wins. Names come from cuBLAS/CUTLASS, torch and this
@@ -171,17 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             step_ms = (time.perf_counter() - started) * 1e3 / args.steps
         kernels, by_category = [], {}
-        for event in prof.key_averages():
-            device_us = getattr(event, "self_device_time_total", None)
-            if device_us is None:
-                device_us = getattr(event, "self_cuda_time_total", 0)
-            if device_us <= 0 or event.key.startswith(("aten::", "cuda")):
-                continue  # kernels only: aten ops repeat their kernels' time
-            us = device_us / args.steps
-            label = category(event.key)
-            kernels.append({"kernel": event.key[:120], "category": label,
-                            "calls_per_step": round(event.count / args.steps, 2), "us_per_step": round(us, 1)})
-            by_category[label] = by_category.get(label, 0.0) + us
+        for row in kernel_rows(prof, args.steps, top=10_000):
+            label = category(row["kernel"])
+            kernels.append({"kernel": row["kernel"], "category": label, "calls_per_step": row["calls"],
+                            "us_per_step": row["us"]})
+            by_category[label] = by_category.get(label, 0.0) + row["us"]
         kernels.sort(key=lambda r: -r["us_per_step"])
         kernel_ms = sum(by_category.values()) / 1e3
         gemm_ms = by_category.get("gemm", 0.0) / 1e3
