@@ -21,7 +21,7 @@ CUDA-graph replays, on random weights of a shape (acceptance plays no part):
   LM-head GEMV reads n rows instead of the whole vocabulary's (which n tokens
   plays no part in the time);
 * ``kernels`` (with ``--kernels N``): device time by kernel, under the torch
-  profiler over N replays, of the one-row forward, a forward of 1 + k rows
+  profiler over N replays, of the one-row forward, the two-row one, one of 1 + k rows
   (k = ``--kernels-drafts``) and one chained round verifying k drafts (heads
   with prompt lookup, as ``draft_heads:lookup2`` serves them), with
   each one's summed kernel time (what the device is busy for, against the
@@ -171,6 +171,7 @@ def run(args: argparse.Namespace) -> dict:
             runner.warm_up([k])
             out["kernels"] = {
                 "forward_1_rows": _kernel_profile(lambda: forward(1), args.kernels),
+                "forward_2_rows": _kernel_profile(lambda: forward(2), args.kernels),
                 f"forward_{k + 1}_rows": _kernel_profile(lambda: forward(k + 1), args.kernels),
                 f"round_k{k}": _kernel_profile(lambda: runner.run([request()], k, 8, k), args.kernels, per_call=8),
             }
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", default="8192,16384",
                    help="comma-separated draft vocabulary sizes to time the Triton chain with ('' for none)")
     p.add_argument("--kernels", type=int, default=0, metavar="N",
-                   help="also profile N replays of the 1-row forward, the (1 + k)-row one and a round by kernel")
+                   help="also profile N replays of the 1-, 2- and (1 + k)-row forwards and a round by kernel")
     p.add_argument("--kernels-drafts", type=int, default=8, metavar="K", help="the drafts k of --kernels")
     p.add_argument("--output", type=Path, default=Path("bench/results/round_cost.json"))
     args = p.parse_args(argv)
