@@ -81,6 +81,10 @@ GROUNDED = (
        f"Rename the method `push` to `add` in this class and return the whole class:\n\n{_CODE[1]}",
        f"Add type hints to this Python code and return the whole code:\n\n{_CODE[2]}"]
 )
+# Chat at batch 1 is measured on each mode's own greedy text, and 16-bit verification rows round differently
+# from a plain step's single row, so answers may part ways (one falling into a loop that drafts well); 24
+# prompts keep one such answer from moving the whole figure. The first 12 are the set the earlier results used
+# (--num-prompts 12).
 CHAT = [
     "What are three benefits of regular exercise?",
     "Write a short story about a dragon who is afraid of the dark.",
@@ -94,6 +98,18 @@ CHAT = [
     "Describe the water cycle in a few sentences.",
     "Why is the sky blue?",
     "Suggest five names for a coffee shop.",
+    "How can I improve my sleep?",
+    "Write a short thank-you note to a neighbor who watered my plants.",
+    "What are some good habits for learning a new language?",
+    "Explain what a budget is and how to make one.",
+    "Tell me a joke about computers.",
+    "What is the capital of Australia, and what is it known for?",
+    "Give me three ideas for a rainy day with kids.",
+    "How does a refrigerator keep food cold?",
+    "Write a two-sentence horror story.",
+    "What are the main differences between cats and dogs as pets?",
+    "Describe a sunset over the ocean.",
+    "How do vaccines work?",
 ]
 
 
@@ -436,6 +452,7 @@ def run_generate(args) -> dict:
             res["batch1"]["decode_speedup"] = res["batch1"]["decode_tokens_per_s"] / plain["batch1"]["decode_tokens_per_s"]
             res["batch1"]["same_tokens_as_none"] = res["batch1"]["outputs"] == plain["batch1"]["outputs"]
             res["batch1"]["identical_prompts"] = _identical_prompts(res["batch1"], plain["batch1"])
+            res["batch1"]["by_prompt"] = _by_prompt(res["batch1"], plain["batch1"])
             for key in [k for k in res if k.startswith("batch") and k != "batch1"]:
                 res[key]["speedup"] = res[key]["output_tokens_per_s"] / plain[key]["output_tokens_per_s"]
             if args.cycles > 1:
@@ -456,6 +473,9 @@ def run_generate(args) -> dict:
                     f"(median {statistics.median(decode):.3f})")
     for mode, res in report["modes"].items():
         res["batch1"].pop("outputs")
+        by_prompt = res["batch1"].get("by_prompt", {})
+        if by_prompt.get("median_speedup") is not None and mode != "none":
+            log(f"{mode}: batch1 median over prompts of each prompt's speedup: {by_prompt['median_speedup']:.3f}x")
         same = res["batch1"].get("identical_prompts", {})
         if "speedup" in same and mode != "none":
             log(f"{mode}: batch1 over the {same['count']} of {same['of']} prompts whose output matched plain "
@@ -483,6 +503,19 @@ def _identical_prompts(res: dict, plain: dict) -> dict:
 
         out["speedup"] = rate(res) / rate(plain)
     return out
+
+
+def _by_prompt(res: dict, plain: dict) -> dict:
+    """Batch 1 prompt by prompt (first cycle): each prompt's tokens/s against plain decoding's on it.
+
+    The aggregate speedup weighs prompts by their tokens, so an answer that parts ways with plain decoding's
+    and loops (hundreds of tokens that draft almost for free) can carry it; the median over prompts cannot.
+    """
+    def rate(p: dict) -> float:
+        return p["output_tokens"] / max(p["wall_s"], 1e-9)
+
+    ratios = [rate(a) / rate(b) for a, b in zip(res["per_prompt"], plain["per_prompt"])]
+    return {"speedup": [round(r, 3) for r in ratios], "median_speedup": statistics.median(ratios) if ratios else None}
 
 
 # --------------------------------------------------------------------------- verify-cost

@@ -288,6 +288,7 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
     assert result["engine"]["max_batch_size"] >= 7  # one request's rows at the largest draft length of any mode
     for name, mode in result["modes"].items():
         assert mode["batch1"]["output_tokens"] > 0 and "speedup" in mode["batch1"]
+        assert len(mode["batch1"]["by_prompt"]["speedup"]) == 1  # one prompt: its own rate against plain decoding's
         if name != "none":  # the policy's trace, at batch 1 and in the batch-2 run: the step costs it learned from
             for run in (mode["batch1"], mode["batch2"]):
                 assert any("tokens" in event for event in run["policy_trace"])
