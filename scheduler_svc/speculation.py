@@ -267,6 +267,8 @@ class ChainedCosts:
     fitted together by least squares over every size's recent steps (one ``host`` for all), and a round is
     priced as ``round(T) + host / R`` for the rounds R a step chains. Where every step of a size ran the same
     number of rounds, ``host`` is not told apart from the rounds, and the price is their share, as before.
+    As with single steps, a size counts once measured ``TRUSTED`` times; until then it is a trial, priced by
+    the sizes that count.
     In the next traced H100 run it fitted 1.55 ms a step and 0.85-0.92 ms a round from 2 to 9 tokens, chose 8
     drafts in 53 of 108 steps (24 of 104 before) and ran within 2% of always verifying 8 at batch 1
     (``h100_spec_heads_draft_vocab_{cost_fit,cycles4}_smollm2.json``).
@@ -283,8 +285,9 @@ class ChainedCosts:
         self._fit = None
 
     def covers(self, num_tokens: int) -> bool:
-        """Whether a round of ``num_tokens`` is within the measured sizes (its bucket or a larger one)."""
-        return any(bucket >= _bucket(num_tokens) for bucket in self.recent)
+        """Whether a round of ``num_tokens`` is within the measured sizes (its bucket or a larger one, with
+        ``TRUSTED`` measurements: a size measured fewer times is priced by a guess)."""
+        return any(bucket >= _bucket(num_tokens) and len(window) >= TRUSTED for bucket, window in self.recent.items())
 
     def fit(self) -> tuple[float, list[tuple[int, float]]]:
         """(host seconds a step, [(tokens, seconds a round)] per bucket, by tokens)."""
@@ -293,8 +296,17 @@ class ChainedCosts:
         return self._fit
 
     def _least_squares(self) -> tuple[float, list[tuple[int, float]]]:
+        # As with single steps (``StepCosts.points``), only sizes measured TRUSTED times count once some
+        # are: a size's first chained step may pay for what warms up (pinned buffers, a kernel's first
+        # specialisation), and a size priced off that one step alone would never be chosen, so never be
+        # measured again. Without it, the first steps of a fresh process at batch 1 priced rounds of 9 tokens
+        # too dear and chose one draft in 223 of 229 steps. Sizes measured fewer times are priced from
+        # the counted ones around them until they count. While none counts, each size's cheapest step.
+        trusted = [window for window in self.recent.values() if len(window) >= TRUSTED]
+        if not trusted:
+            trusted = [[min(window, key=lambda step: step[1] / step[2])] for window in self.recent.values()]
         windows = []
-        for window in self.recent.values():
+        for window in trusted:
             cheapest = min(sec / rounds for _, sec, rounds in window)
             # A step costing over three times the cheapest round of its size (a kernel compiling, a pause) is
             # no measure of either part.

@@ -25,7 +25,7 @@ from executor_svc.sampler import RequestSamplingState
 from protos.plan import CachedRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
 from scheduler_svc.api_types import GenerationRequest
 from scheduler_svc.request import FinishReason
-from scheduler_svc.speculation import Candidate, DraftLengthPolicy, expected_accepted
+from scheduler_svc.speculation import TRUSTED, Candidate, DraftLengthPolicy, expected_accepted
 from tests.conftest import PROMPTS, TEST_DEVICE, run_async, tiny_llama_config
 from tests.test_scheduler import make_request, make_scheduler
 
@@ -512,12 +512,16 @@ def test_a_plain_step_is_measured_before_speculation_is_judged_free():
     assert fast.choose([Candidate("a", 8, 0.8)], 0) == 0  # the plain step, measured once
     fast.observe(1, 0.0013, overlapped=False, executor_seconds=0.0012)
     assert fast.choose([Candidate("a", 8, 0.8)], 0) == 8
-    # Every step chained rounds: the plain step is measured all the same, then rounds stop being trials.
+    # Every step chained rounds: the plain step is measured all the same, then rounds stop being trials once
+    # their size has been measured often enough to count.
     chained = DraftLengthPolicy(max_draft_tokens=8)
     assert chained.choose(one, 0, draining=True, chainable=True) == 8 and chained.trial
     chained.observe(9, 0.0009, overlapped=False, executor_seconds=0.0008, plain=False, chained=True, rounds=2)
     assert chained.choose(one, 0, draining=True, chainable=True) == 0
     chained.observe(1, 0.0013, overlapped=False, executor_seconds=0.0012)
+    for _ in range(TRUSTED - 1):
+        assert chained.choose([Candidate("a", 8, 0.8)], 0, draining=True, chainable=True) == 8 and chained.trial
+        chained.observe(9, 0.0009, overlapped=False, executor_seconds=0.0008, plain=False, chained=True, rounds=2)
     assert chained.choose([Candidate("a", 8, 0.8)], 0, draining=True, chainable=True) == 8 and not chained.trial
 
 
@@ -1034,4 +1038,30 @@ def test_chained_costs_tell_a_steps_host_work_from_its_rounds():
     alone = ChainedCosts()  # every step the same length: the host's share stays in the rounds
     alone.observe(5, 1.125e-3, 16)
     assert alone.fit() == (0.0, [(5, pytest.approx(1.125e-3))])
-    assert alone.round_seconds(5, 16) == pytest.approx(1.125e-3) and not alone.covers(9) and alone.covers(4)
+    assert alone.round_seconds(5, 16) == pytest.approx(1.125e-3) and not alone.covers(9)
+    assert not alone.covers(4)  # measured once: a guess until it has been measured TRUSTED times
+    for _ in range(TRUSTED - 1):
+        alone.observe(5, 1.125e-3, 16)
+    assert alone.covers(4) and not alone.covers(9)
+
+
+def test_a_slow_first_chained_step_does_not_rule_its_size_out():
+    """A fresh process's first chained step of a size may pay for what warms up. Priced off it alone, the size
+    would never be chosen, so never measured again: it counts once measured TRUSTED times, and until then the
+    sizes that count price it, so the policy comes back to it and measures it."""
+    policy = DraftLengthPolicy(max_draft_tokens=8)
+    heads = [Candidate("a", 8, 0.45, position_rates=[0.45, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8])]
+    assert policy.choose(heads, 0, chainable=True) == 8 and policy.trial  # nothing measured: try the most
+    # Its two rounds took 4 ms each (a first step of its size) ...
+    policy.observe(9, 0.004, overlapped=False, executor_seconds=0.0, plain=False, chained=True, rounds=2)
+    assert policy.choose(heads, 0, chainable=True) == 0  # the plain step, measured once
+    policy.observe(1, 0.00075, overlapped=True, executor_seconds=0.0007)
+    for _ in range(TRUSTED):  # rounds of one draft (probes, then steps of one draft) measured warm
+        policy.observe(2, 0.0008, overlapped=False, executor_seconds=0.0, plain=False, chained=True, rounds=16)
+    # ... while a warm round of 9 tokens costs 0.85 ms: the one slow step no longer prices the size.
+    assert policy.choose(heads, 0, chainable=True) == 8 and policy.trial
+    for _ in range(TRUSTED - 1):
+        policy.observe(9, 0.00085, overlapped=False, executor_seconds=0.0, plain=False, chained=True, rounds=2)
+        assert policy.choose(heads, 0, chainable=True) == 8
+    policy.observe(9, 0.00085, overlapped=False, executor_seconds=0.0, plain=False, chained=True, rounds=16)
+    assert policy.choose(heads, 0, chainable=True) == 8 and not policy.trial  # counted: the 4 ms step left out
