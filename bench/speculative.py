@@ -434,6 +434,7 @@ def run_generate(args) -> dict:
     # Output tokens/s per cycle, mode and batch: every cycle measures every mode again, in turn, so
     # drift of the machine within a run reaches all modes alike (the first cycle's details are kept).
     by_cycle: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
+    prompts_by_cycle: dict[str, list[list[dict]]] = {mode: [] for mode in args.modes}  # batch 1's per_prompt
 
     async def main() -> None:
         for cycle in range(args.cycles):
@@ -441,6 +442,7 @@ def run_generate(args) -> dict:
                 result = await measure(mode)
                 rates = {key: res["output_tokens_per_s"] for key, res in result.items()}
                 by_cycle[mode].append({**rates, "batch1_decode": result["batch1"]["decode_tokens_per_s"]})
+                prompts_by_cycle[mode].append(result["batch1"]["per_prompt"])
                 if cycle == 0:
                     report["modes"][mode] = result
 
@@ -452,7 +454,7 @@ def run_generate(args) -> dict:
             res["batch1"]["decode_speedup"] = res["batch1"]["decode_tokens_per_s"] / plain["batch1"]["decode_tokens_per_s"]
             res["batch1"]["same_tokens_as_none"] = res["batch1"]["outputs"] == plain["batch1"]["outputs"]
             res["batch1"]["identical_prompts"] = _identical_prompts(res["batch1"], plain["batch1"])
-            res["batch1"]["by_prompt"] = _by_prompt(res["batch1"], plain["batch1"])
+            res["batch1"]["by_prompt"] = _by_prompt(prompts_by_cycle[mode], prompts_by_cycle["none"])
             for key in [k for k in res if k.startswith("batch") and k != "batch1"]:
                 res[key]["speedup"] = res[key]["output_tokens_per_s"] / plain[key]["output_tokens_per_s"]
             if args.cycles > 1:
@@ -505,8 +507,9 @@ def _identical_prompts(res: dict, plain: dict) -> dict:
     return out
 
 
-def _by_prompt(res: dict, plain: dict) -> dict:
-    """Batch 1 prompt by prompt (first cycle): each prompt's tokens/s against plain decoding's on it.
+def _by_prompt(cycles: list[list[dict]], plain_cycles: list[list[dict]]) -> dict:
+    """Batch 1 prompt by prompt: each prompt's tokens/s against plain decoding's on it in the same cycle, the
+    median over cycles per prompt, and the median of those over prompts.
 
     The aggregate speedup weighs prompts by their tokens, so an answer that parts ways with plain decoding's
     and loops (hundreds of tokens that draft almost for free) can carry it; the median over prompts cannot.
@@ -514,8 +517,10 @@ def _by_prompt(res: dict, plain: dict) -> dict:
     def rate(p: dict) -> float:
         return p["output_tokens"] / max(p["wall_s"], 1e-9)
 
-    ratios = [rate(a) / rate(b) for a, b in zip(res["per_prompt"], plain["per_prompt"])]
-    return {"speedup": [round(r, 3) for r in ratios], "median_speedup": statistics.median(ratios) if ratios else None}
+    per_cycle = [[rate(a) / rate(b) for a, b in zip(mine, plain)] for mine, plain in zip(cycles, plain_cycles)]
+    ratios = [statistics.median(values) for values in zip(*per_cycle)]
+    return {"speedup": [round(r, 3) for r in ratios], "median_speedup": statistics.median(ratios) if ratios else None,
+            "cycles": len(per_cycle)}
 
 
 # --------------------------------------------------------------------------- verify-cost
