@@ -265,7 +265,7 @@ def test_draft_head_variants_smoke_trains_each_variant_on_one_data_set(tmp_path:
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
     assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert result["bench_chat_prompts"] == 12 and result["training_positions"] > 0
+    assert result["bench_chat_prompts"] == 24 and result["training_positions"] > 0  # speculative.py's chat set
     assert result["variants"]["narrow"]["overrides"] == {"intermediate_size": 64, "lr": 0.002}
     for variant in result["variants"].values():
         for judged in (variant["held_out"], variant["bench_chat"]):
