@@ -100,6 +100,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import mul
@@ -224,6 +225,13 @@ def _bucket(num_tokens: int) -> int:
     return max(num_tokens, 1).bit_length()  # powers of two: 1, 2-3, 4-7, ...
 
 
+def _counted(windows: Iterable[deque], seconds: Callable[[tuple], float]) -> list[list]:
+    """The buckets' windows that count: those measured ``TRUSTED`` times once any is, else each bucket's
+    cheapest measurement alone (``seconds`` of a measurement). See the module docstring."""
+    trusted = [list(window) for window in windows if len(window) >= TRUSTED]
+    return trusted or [[min(window, key=seconds)] for window in windows]
+
+
 @dataclass(slots=True)
 class StepCosts:
     """Measured seconds of a generation step by the tokens in it (see the module docstring)."""
@@ -240,9 +248,8 @@ class StepCosts:
         """(tokens, seconds) per bucket with enough measurements: its median recent step.
         While no bucket has enough, every bucket's fastest step."""
         if self._points is None:
-            ranked = [sorted(window, key=lambda p: p[1]) for window in self.recent.values()]
-            trusted = [r[len(r) // 2] for r in ranked if len(r) >= TRUSTED]
-            self._points = sorted(trusted or [r[0] for r in ranked])
+            ranked = [sorted(window, key=lambda p: p[1]) for window in _counted(self.recent.values(), lambda p: p[1])]
+            self._points = sorted(r[len(r) // 2] for r in ranked)
         return self._points
 
     def covers(self, num_tokens: int) -> bool:
@@ -302,11 +309,8 @@ class ChainedCosts:
         # measured again. Without it, the first steps of a fresh process at batch 1 priced rounds of 9 tokens
         # too dear and chose one draft in 223 of 229 steps. Sizes measured fewer times are priced from
         # the counted ones around them until they count. While none counts, each size's cheapest step.
-        trusted = [window for window in self.recent.values() if len(window) >= TRUSTED]
-        if not trusted:
-            trusted = [[min(window, key=lambda step: step[1] / step[2])] for window in self.recent.values()]
         windows = []
-        for window in trusted:
+        for window in _counted(self.recent.values(), lambda step: step[1] / step[2]):
             cheapest = min(sec / rounds for _, sec, rounds in window)
             # A step costing over three times the cheapest round of its size (a kernel compiling, a pause) is
             # no measure of either part.
