@@ -234,6 +234,43 @@ async def _run(async_engine, requests, desc: str) -> dict:
     }
 
 
+ARRIVAL_DELAYS_MS = (0, 3, 6, 9, 12, 15, 18, 21)  # after the running answer's first chunk, probe by probe
+
+
+async def _arrival_probes(async_engine, texts: list[list[int]], probes: int, max_tokens: int, desc: str) -> dict:
+    """Time to first token of a request that arrives while another is generating: each probe starts one answer
+    of ``max_tokens`` (EOS ignored), waits for its first chunk and a delay (``ARRIVAL_DELAYS_MS`` in turn, so
+    arrivals fall at different points of a chained step), then submits a one-token request. With chained
+    rounds the arrival waits for the step in flight: all of its rounds, unless the step ends them early."""
+    from scheduler_svc.api_types import GenerationRequest
+
+    ttfts, ended_before = [], getattr(async_engine, "num_rounds_ended", 0)
+    for i in tqdm(range(probes), desc=desc, file=sys.stderr, mininterval=2):
+        running = GenerationRequest(token_ids=texts[i % len(texts)], max_tokens=max_tokens, temperature=0.0,
+                                    ignore_eos=True)
+        arriving = GenerationRequest(token_ids=texts[(i + 1) % len(texts)], max_tokens=1, temperature=0.0)
+        first_chunk = asyncio.Event()
+
+        async def run_answer() -> None:
+            async for _ in async_engine.generate(running):
+                first_chunk.set()
+
+        answer = asyncio.create_task(run_answer())
+        await first_chunk.wait()
+        await asyncio.sleep(ARRIVAL_DELAYS_MS[i % len(ARRIVAL_DELAYS_MS)] / 1e3)
+        started = time.perf_counter()
+        async for _ in async_engine.generate(arriving):
+            ttfts.append(time.perf_counter() - started)
+        await answer
+    ms = sorted(t * 1e3 for t in ttfts)
+    return {
+        "probes": probes, "running_max_tokens": max_tokens, "delays_ms": list(ARRIVAL_DELAYS_MS),
+        "ttft_ms": [round(t * 1e3, 3) for t in ttfts], "median_ttft_ms": statistics.median(ms),
+        "p90_ttft_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "max_ttft_ms": ms[-1],
+        "steps_ended_early": getattr(async_engine, "num_rounds_ended", 0) - ended_before,
+    }
+
+
 def _decode_rate(runs: list[dict]) -> float:
     """Output tokens after the first per second after the first, over one-request runs."""
     return sum(r["output_tokens"] - 1 for r in runs) / max(sum(r["wall_s"] - r["ttft_s"] for r in runs), 1e-9)
@@ -395,6 +432,12 @@ def run_generate(args) -> dict:
             policy = async_engine.scheduler.draft_policy
             out["batch1"]["step_cost_points"] = _cost_points(policy)
             log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
+            if args.arrival_probes:
+                out["arrivals"] = await _arrival_probes(async_engine, texts, args.arrival_probes, args.max_tokens,
+                                                        f"{mode} arrivals")
+                arrivals = out["arrivals"]
+                log(f"{mode}: a request arriving during another's answer: first token in "
+                    f"{arrivals['median_ttft_ms']:.1f} ms (median), {arrivals['max_ttft_ms']:.1f} ms at most")
             for batch in [b for b in args.batch_sizes if b > 1]:
                 def requests_of(max_tokens: int) -> list[GenerationRequest]:
                     return [
@@ -440,7 +483,7 @@ def run_generate(args) -> dict:
         for cycle in range(args.cycles):
             for mode in args.modes:
                 result = await measure(mode)
-                rates = {key: res["output_tokens_per_s"] for key, res in result.items()}
+                rates = {key: res["output_tokens_per_s"] for key, res in result.items() if key.startswith("batch")}
                 by_cycle[mode].append({**rates, "batch1_decode": result["batch1"]["decode_tokens_per_s"]})
                 prompts_by_cycle[mode].append(result["batch1"]["per_prompt"])
                 if cycle == 0:
@@ -655,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="with --train-heads: train another set of heads with these arguments, in a folder of its "
                           "own; a mode with the setting headsN serves the N-th such set (repeatable)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
+    gen.add_argument("--arrival-probes", type=int, default=0, metavar="N",
+                     help="after batch 1, N times: a request arrives while another answers; its time to first token")
     gen.add_argument("--trace-policy", action="store_true",
                      help="record every draft length the policy chose and every step cost it learned from, at batch "
                           "1 and in each larger batch's run (choices among many requests as a summary)")

@@ -162,12 +162,22 @@ class ModelRunner:
         # Wall time, and this thread's CPU time (the difference: waits for the interpreter lock).
         self.host_seconds = {"launch": 0.0, "finish": 0.0, "draft": 0.0}
         self.host_cpu_seconds = dict.fromkeys(self.host_seconds, 0.0)
+        # The step whose chained rounds the scheduler asked to end early (``end_rounds``); set from another thread.
+        self._end_rounds_of: int | None = None
+
+    def end_rounds(self, step_id: int) -> None:
+        """Ask step ``step_id`` to end its chained verification rounds after the round in flight (or after its
+        first round, when it has not started): the scheduler has a request waiting that should not wait for every
+        planned round. Its result then holds the rounds that ran, and the next step's drafts. Safe to call from
+        any thread, before, during or after the step; a step of one round, or one already done, ignores it."""
+        self._end_rounds_of = step_id
 
     # -- state ---------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every request (the scheduler that owned them went away)."""
         self.requests.clear()
+        self._end_rounds_of = None  # a new scheduler numbers its steps afresh
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -411,9 +421,11 @@ class ModelRunner:
         next_drafts = 0
         if self.rounds.chain is not None:
             next_drafts = min(self.max_draft_tokens, max(state.num_drafts_to_propose for _, state, _ in step.scheduled))
-        step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds, next_drafts)
+        step_id = step.result.step_id
+        step.rounds = self.rounds.run(requests, step.num_drafts, step.num_rounds, next_drafts,
+                                      end_requested=lambda: self._end_rounds_of == step_id)
         rounds = step.rounds
-        step.num_rounds = rounds.num_rounds  # fewer than planned when every request finished early
+        step.num_rounds = rounds.num_rounds  # fewer than planned when every request finished, or when asked to end
         parts = [rounds.tokens.flatten(), rounds.accepted.flatten(), rounds.drafted[:-1].flatten()]
         if rounds.next_drafts is not None:
             parts.append(rounds.next_drafts.flatten())

@@ -1,4 +1,4 @@
-"""The executor's gRPC server: Info, and the Step stream that runs plans.
+"""The executor's gRPC server: Info, the Step stream that runs plans, and EndRounds.
 
 One scheduler drives an executor at a time: a second Step stream is refused
 with FAILED_PRECONDITION rather than interleaving two schedulers' block ids in
@@ -53,6 +53,10 @@ class ExecutorService(ex_grpc.ExecutorServicer):
 
     def Info(self, request: ex.InfoRequest, context: grpc.ServicerContext) -> ex.InfoResponse:
         return wire.info_to_pb(executor_info(self.pipeline.runner))
+
+    def EndRounds(self, request: ex.EndRoundsRequest, context: grpc.ServicerContext) -> ex.EndRoundsResponse:
+        self.pipeline.runner.end_rounds(request.step_id)
+        return ex.EndRoundsResponse()
 
     def Step(self, request_iterator: Iterator[ex.StepPlan], context: grpc.ServicerContext) -> Iterator[ex.StepResult]:
         if not self._attached.acquire(blocking=False):

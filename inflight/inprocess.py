@@ -44,6 +44,9 @@ class InProcessExecutor:
         self.pipeline.submit(plan, deliver)
         return await future
 
+    async def end_rounds(self, step_id: int) -> None:
+        self.runner.end_rounds(step_id)
+
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.pipeline.reset)

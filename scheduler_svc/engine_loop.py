@@ -107,6 +107,10 @@ class AsyncEngine:
         self._healthy = False
         self.num_steps = 0
         self.num_serial_steps = 0  # steps planned while none was in flight: the GPU waited for the host's plan
+        # The step in flight that chains verification rounds, until a request arrives and asks it to end them.
+        self._chained_step: int | None = None
+        self.num_rounds_ended = 0  # chained steps asked to end early for an arriving request
+        self._background: set[asyncio.Task] = set()
         # Host seconds the step loop spent planning, applying results and streaming them:
         # with overlap, the GPU waits only when these (plus the executor's) exceed a step.
         # Wall time, and this thread's CPU time: the difference is time spent waiting for
@@ -204,8 +208,22 @@ class AsyncEngine:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.stopping.stop), req.final_only
         )
         self.scheduler.add_request(request)
+        self._end_chained_rounds()
         self._wake.set()
         return request
+
+    def _end_chained_rounds(self) -> None:
+        """A request arrived: a step in flight that chains many verification rounds ends them after the round
+        it is in, so the newcomer's first token waits for about a round and not for all of them (the next plan
+        gives it its prompt step). A full batch would not take it in anyway, and is left to run."""
+        step_id, scheduler = self._chained_step, self.scheduler
+        if step_id is None or scheduler is None or len(scheduler.running) >= scheduler.config.max_batch_size:
+            return
+        self._chained_step = None
+        self.num_rounds_ended += 1
+        task = asyncio.get_running_loop().create_task(self.executor.end_rounds(step_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def stream(self, request: Request) -> AsyncIterator[GenerationChunk]:
         """Chunks of an added request until it finishes; aborts it if left early."""
@@ -276,6 +294,8 @@ class AsyncEngine:
                 continue
             self.num_steps += 1
             self.num_serial_steps += not overlapped
+            if self._chained_step == result.step_id:
+                self._chained_step = None
             started, cpu = time.perf_counter(), time.thread_time()
             # What the step cost in wall time: from the previous result to its own, the same
             # measure whether steps overlap or run one at a time (then it includes handling the
@@ -306,6 +326,8 @@ class AsyncEngine:
         self._spent("schedule", started, cpu)
         if plan.is_empty:
             return False
+        if any(request.num_rounds > 1 for request in plan.cached_requests):
+            self._chained_step = plan.step_id
         in_flight.append((asyncio.ensure_future(self.executor.step(plan)), bool(in_flight)))
         return True
 
@@ -365,6 +387,7 @@ class AsyncEngine:
         """
         log.error("executor lost: %s", message)
         self._healthy = False
+        self._chained_step = None
         scheduler = self.scheduler
         assert scheduler is not None
         for request_id in list(scheduler.requests):

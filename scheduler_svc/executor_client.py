@@ -9,6 +9,7 @@ in-process runner into the same interface from above.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from typing import Protocol
 
@@ -20,6 +21,8 @@ from protos.grpc_settings import MESSAGE_SIZE_OPTIONS
 from protos.plan import ExecutorInfo, StepPlan, StepResult
 from scheduler_svc import wire
 
+log = logging.getLogger("inflight.scheduler")
+
 
 class ExecutorUnavailable(RuntimeError):
     """The executor cannot be reached or went away mid-stream."""
@@ -30,6 +33,10 @@ class ExecutorConnection(Protocol):
 
     async def step(self, plan: StepPlan) -> StepResult:
         """The result of ``plan``. Several calls may be outstanding; results come in plan order."""
+        ...
+
+    async def end_rounds(self, step_id: int) -> None:
+        """Ask step ``step_id`` to end its chained verification rounds after the round in flight."""
         ...
 
     async def close(self) -> None: ...
@@ -54,6 +61,7 @@ class GrpcExecutorConnection:
         self._waiting: deque[asyncio.Future[StepResult]] = deque()
         self._reader: asyncio.Task[None] | None = None
         self._write_lock: asyncio.Lock | None = None  # gRPC allows one write in progress per stream
+        self._end_rounds_unsupported = False  # an executor of an earlier version answered UNIMPLEMENTED
 
     async def info(self) -> ExecutorInfo:
         """Waits (up to connect_timeout_s) for the executor to come up: it may still be loading."""
@@ -79,6 +87,19 @@ class GrpcExecutorConnection:
         except grpc.aio.AioRpcError as exc:
             self._fail(f"executor at {self.address}: {exc.code().name}: {exc.details()}")
         return await future
+
+    async def end_rounds(self, step_id: int) -> None:
+        """A hint, not a command: an executor that is gone or predates EndRounds runs the step's rounds out,
+        which costs the waiting request time, never a token."""
+        if self._end_rounds_unsupported:
+            return
+        try:
+            await self._stub.EndRounds(ex.EndRoundsRequest(step_id=step_id), timeout=5.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._end_rounds_unsupported = True
+                log.info("executor at %s cannot end a step's rounds early: arriving requests wait for them",
+                         self.address)
 
     async def _read_results(self, call: grpc.aio.StreamStreamCall) -> None:
         try:

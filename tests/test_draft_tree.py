@@ -521,3 +521,30 @@ def test_tree_rounds_end_once_every_request_has_finished(engine, tree_heads_dir)
     # On a GPU one more round runs: the host reads a round's flags while the device runs the next.
     ran = next(r + 1 for r in range(5) if ends[r] >= 2) + (LOOKBEHIND if torch.device(TEST_DEVICE).type == "cuda" else 0)
     assert len(limited.round_accepted) == ran < 5 and limited.token_ids == full.token_ids[: ends[ran - 1]]
+
+
+def test_tree_rounds_end_when_the_scheduler_asks(engine, tree_heads_dir):
+    """Asked to end before it starts, a step of tree rounds runs one round (two where the judge and the next
+    tree are one CUDA graph), returns the first tokens of the full step, and drafts for the next step."""
+    from executor_svc.runner import ModelRunner
+    from protos.plan import CachedRequest, NewRequest, SamplingConfig, StepPlan
+
+    speculative = SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 4, max_rounds=5, draft_tree=DEFAULT_TREE)
+    spec = dataclasses.replace(_with_tree_graphs(engine), engine_dir=tree_heads_dir, speculative=speculative)
+    greedy, prompt = SamplingConfig(temperature=0.0), list(range(10, 30))
+
+    def tree_step(ask: bool):
+        runner = ModelRunner(spec)
+        runner.execute(StepPlan(1, new_requests=[NewRequest("r", prompt, 20, 0, 20, list(range(8)), greedy)]))
+        if ask:
+            runner.end_rounds(2)
+        result = runner.execute(StepPlan(2, cached_requests=[CachedRequest("r", 20, 5 * 8, [], [], 4, 5)]))
+        assert not result.request_errors
+        return result.outputs[0]
+
+    full, asked = tree_step(False), tree_step(True)
+    ran = 2 if torch.device(TEST_DEVICE).type == "cuda" else 1
+    ends = [sum(a + 1 for a in full.round_accepted[: r + 1]) for r in range(5)]
+    assert len(full.round_accepted) == 5 and asked.round_accepted == full.round_accepted[:ran]
+    assert asked.token_ids == full.token_ids[: ends[ran - 1]]
+    assert len(asked.next_draft_token_ids) == 4 == len(full.next_draft_token_ids)

@@ -736,7 +736,7 @@ def test_recurrent_head_chained_rounds_give_the_same_greedy_tokens(engine, token
     spec = dataclasses.replace(engine, engine_dir=tmp_path, speculative=speculative)
     outputs, usages, stats = _generate(spec, tokenizer, COPY_PROMPTS + PROMPTS[:3], {"adaptive_draft_length": False})
     assert outputs == plain_outputs
-    assert calls and max(rounds for _, _, rounds in calls) == 3
+    assert calls and max(call[2] for call in calls) == 3
     assert stats.drafts.num_accepted == sum(u.num_accepted_draft_tokens for u in usages) > 0
     calls.clear()
     alone, _, _ = _generate(spec, tokenizer, PROMPTS[:1])  # one request, the adaptive policy
@@ -760,15 +760,17 @@ def test_loading_a_draft_model_splits_the_kv_budget(engine_dir, random_draft_eng
                                               speculative=SpeculativeConfig(SpeculativeMode.DRAFT_MODEL, 3)))
 
 
-def _counting_rounds(monkeypatch) -> list[tuple[int, int, int]]:
-    """Record (requests, drafts, rounds) of every step of chained rounds the runner launches."""
+def _counting_rounds(monkeypatch) -> list[tuple[int, int, int, int, bool]]:
+    """Record (requests, drafts, rounds planned, rounds run, whether every request finished before the planned
+    rounds) of every step of chained rounds the runner launches."""
     from executor_svc.speculative.rounds import RoundsRunner
 
     calls, real = [], RoundsRunner.run
 
-    def counting(self, requests, num_drafts, num_rounds, next_drafts=0):
-        calls.append((len(requests), num_drafts, num_rounds))
-        return real(self, requests, num_drafts, num_rounds, next_drafts)
+    def counting(self, requests, num_drafts, num_rounds, next_drafts=0, end_requested=None):
+        out = real(self, requests, num_drafts, num_rounds, next_drafts, end_requested)
+        calls.append((len(requests), num_drafts, num_rounds, out.num_rounds, out.finished_early))
+        return out
 
     monkeypatch.setattr(RoundsRunner, "run", counting)
     return calls
@@ -780,13 +782,13 @@ def test_chained_rounds_give_the_same_greedy_tokens(engine, tokenizer, plain_out
     prompts = COPY_PROMPTS + PROMPTS[:3]
     outputs, usages, stats = _generate(spec, tokenizer, prompts, {"adaptive_draft_length": False})
     assert outputs == plain_outputs
-    assert calls and max(rounds for _, _, rounds in calls) == 3
+    assert calls and max(call[2] for call in calls) == 3
     assert stats.drafts.num_draft_tokens == sum(u.num_draft_tokens for u in usages)
     assert stats.drafts.num_accepted == sum(u.num_accepted_draft_tokens for u in usages) > 10
     # One request alone (the batch where chaining pays most), with the adaptive policy.
     calls.clear()
     alone, _, _ = _generate(spec, tokenizer, COPY_PROMPTS[:1])
-    assert alone == plain_outputs[:1] and calls and all(n == 1 for n, _, _ in calls)
+    assert alone == plain_outputs[:1] and calls and all(call[0] == 1 for call in calls)
 
 
 def test_chained_rounds_with_sampling_stay_valid(engine, tokenizer, monkeypatch):
@@ -877,6 +879,122 @@ def test_chained_rounds_end_once_every_request_has_finished(engine, tokenizer):
     assert len(limited.round_accepted) == ran < 6 and limited.token_ids == full.token_ids[: ends[ran - 1]]
     # A request of the step without stops keeps every round running.
     assert len(rounds_step(stop_token_ids=[stop], others=["b"]).round_accepted) == 6
+
+
+def test_chained_rounds_end_when_the_scheduler_asks(engine, tokenizer, monkeypatch):
+    """``end_rounds``: a step asked to end its chained rounds stops after the round in flight, with the tokens the
+    full step emits first and drafts for the next step; asked before it starts, it runs one round; an ask for
+    another step changes nothing."""
+    from executor_svc.runner import ModelRunner
+    from executor_svc.speculative.round_stops import RoundStops
+    from protos.plan import NewRequest
+
+    spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=6))
+    greedy, prompt = SamplingConfig(temperature=0.0), tokenizer.encode(COPY_PROMPTS[2])  # counts on: drafts all along
+    ask_after_round = {}  # runner -> the round after which it asks step 2 to end
+
+    real_after_round = RoundStops.after_round
+
+    def after_round(self, rnd, tokens, accepted):
+        finished = real_after_round(self, rnd, tokens, accepted)
+        for runner, at in ask_after_round.items():
+            if rnd == at:
+                runner.end_rounds(2)
+        return finished
+
+    monkeypatch.setattr(RoundStops, "after_round", after_round)
+
+    def rounds_step(ask_before=None, ask_after=None):
+        runner = ModelRunner(spec)
+        runner.execute(StepPlan(1, new_requests=[
+            NewRequest("a", prompt, len(prompt), 0, len(prompt), list(range(8)), greedy, num_drafts_to_propose=4),
+        ]))
+        if ask_before is not None:
+            runner.end_rounds(ask_before)
+        if ask_after is not None:
+            ask_after_round[runner] = ask_after
+        result = runner.execute(StepPlan(2, cached_requests=[
+            CachedRequest("a", len(prompt), 6 * 5, [], [], num_drafts_to_propose=4, num_rounds=6),
+        ]))
+        ask_after_round.clear()
+        assert not result.request_errors
+        return result.outputs[0]
+
+    full = rounds_step()
+    assert len(full.round_accepted) == 6 and full.next_draft_token_ids
+    ends = [sum(a + 1 for a in full.round_accepted[: r + 1]) for r in range(6)]
+    for asked, ran in ((rounds_step(ask_after=1), 2), (rounds_step(ask_before=2), 1)):
+        assert asked.round_accepted == full.round_accepted[:ran]
+        assert asked.token_ids == full.token_ids[: ends[ran - 1]]
+        assert asked.next_draft_token_ids  # not finished: the next step gets its drafts
+    assert rounds_step(ask_before=3).round_accepted == full.round_accepted  # another step's ask
+
+
+@pytest.mark.parametrize("transport", ["in_process", "grpc"])
+def test_an_arriving_request_ends_a_steps_chained_rounds(engine, tokenizer, monkeypatch, transport):
+    """A request that arrives while a step chains many rounds cuts that step short (the scheduler asks the
+    executor to end it, in process or over the executor's gRPC service), and both requests still get exactly
+    the tokens plain decoding gives them."""
+    import threading
+
+    from executor_svc.service import serve_executor
+    from inflight.inprocess import InProcessExecutor
+    from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
+    from scheduler_svc.executor_client import GrpcExecutorConnection
+    from tests.servers import free_port
+
+    calls = _counting_rounds(monkeypatch)
+    prompts, max_tokens = [COPY_PROMPTS[1], COPY_PROMPTS[2]], 48
+
+    def run(connect, staggered):
+        async def go():  # the connection is made here: a gRPC channel needs the running event loop
+            async_engine = AsyncEngine(connect(), tokenizer, EngineLimits(adaptive_draft_length=False))
+            await async_engine.start()
+            try:
+                outputs = [[], []]
+                second_arrived = asyncio.Event()
+
+                async def one(i):
+                    request = GenerationRequest(text=prompts[i], max_tokens=max_tokens, ignore_eos=True,
+                                                temperature=0.0)
+                    async for chunk in async_engine.generate(request):
+                        outputs[i].extend(chunk.token_ids)
+                        if i == 0 and staggered and not second_arrived.is_set():
+                            second_arrived.set()  # the first chunk is here: its next step is in flight
+
+                async def second():
+                    if staggered:
+                        await second_arrived.wait()
+                    await one(1)
+
+                await asyncio.gather(one(0), second())
+                sched = async_engine.scheduler
+                assert sched.kv.num_free_blocks == sched.config.num_kv_blocks, "KV blocks leaked"
+                return outputs, async_engine.num_rounds_ended
+            finally:
+                await async_engine.stop()
+
+        return run_async(go())
+
+    plain, _ = run(lambda: InProcessExecutor(engine), staggered=False)
+    spec = dataclasses.replace(engine, speculative=SpeculativeConfig(SpeculativeMode.NGRAM, 4, max_rounds=16))
+    if transport == "in_process":
+        outputs, ended = run(lambda: InProcessExecutor(spec), staggered=True)
+    else:
+        address = f"127.0.0.1:{free_port()}"
+        server, pipeline = serve_executor(spec, address)
+        model_thread = threading.Thread(target=pipeline.run_forever, daemon=True)
+        model_thread.start()
+        try:
+            outputs, ended = run(lambda: GrpcExecutorConnection(address), staggered=True)
+        finally:
+            server.stop(0)
+            pipeline.stop()
+            model_thread.join(30)
+    assert outputs == plain
+    assert ended == 1
+    # The step the arrival cut short ran fewer rounds than planned, with requests that had not finished.
+    assert any(ran < planned and not finished for _, _, planned, ran, finished in calls)
 
 
 def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):

@@ -18,11 +18,18 @@ a result of fewer rounds as it is (every request in it finishes).
 
 Stop strings are matched on text by the scheduler and cannot end rounds here;
 such a request simply runs its step's rounds.
+
+The scheduler may also ask the executor to end a step's rounds early
+(``ModelRunner.end_rounds``): a request arrived, and it should not wait for
+every planned round. The host checks that request at the same point as the
+flags, so the step ends after the round in flight, and the requests, which
+have not finished, get the next step's drafts as after a last round. For that
+a step whose requests cannot finish early is paced the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,7 +56,10 @@ def round_finished_reference(
 class RoundStops:
     """The stop state of one step's requests, and the decision to queue another round."""
 
-    def __init__(self, stops: torch.Tensor, budget: torch.Tensor, num_rounds: int) -> None:
+    def __init__(
+        self, stops: torch.Tensor, budget: torch.Tensor, num_rounds: int,
+        end_requested: Callable[[], bool] | None = None,
+    ) -> None:
         device = budget.device
         self.stops, self.budget = stops, budget
         self.emitted = torch.zeros_like(budget)
@@ -59,18 +69,38 @@ class RoundStops:
         self.flags = torch.zeros((num_rounds, len(budget)), dtype=torch.int32, pin_memory=self.on_gpu)
         self.events: list[torch.cuda.Event] = []
         self.rounds_run: int | None = None  # set when the rounds end before the planned count
+        self.end_requested = end_requested  # says whether the scheduler asked to end the step's rounds
+        self.ended_on_request = False  # the rounds ended because it asked, not because every request finished
 
     @classmethod
-    def of(cls, requests: Sequence, num_rounds: int, device: torch.device) -> RoundStops | None:
+    def of(
+        cls, requests: Sequence, num_rounds: int, device: torch.device, at_finish: bool = True,
+        end_requested: Callable[[], bool] | None = None,
+    ) -> RoundStops | None:
         """The stop state of ``requests`` (``RoundsRequest``s) for ``num_rounds`` rounds, or None when nothing
-        could end them early (one round, or no request with a stop id or a length limit)."""
-        if num_rounds <= 1 or not any(r.stop_token_ids or r.max_num_tokens for r in requests):
+        could end them early: one round, or neither a request with a stop id or a length limit (``at_finish``)
+        nor ``end_requested``, which the host asks after each round whether to end the rounds there."""
+        if num_rounds <= 1:
             return None
-        width = max(1, max(len(r.stop_token_ids) for r in requests))
-        stops = [list(r.stop_token_ids) + [-1] * (width - len(r.stop_token_ids)) for r in requests]
-        # Tokens each may still emit: at its limit it finishes (the scheduler's LENGTH).
-        budget = [r.max_num_tokens - len(r.token_ids) if r.max_num_tokens else NO_LIMIT for r in requests]
-        return cls(to_device(stops, torch.int64, device), to_device(budget, torch.int64, device), num_rounds)
+        if at_finish and any(r.stop_token_ids or r.max_num_tokens for r in requests):
+            width = max(1, max(len(r.stop_token_ids) for r in requests))
+            stops = [list(r.stop_token_ids) + [-1] * (width - len(r.stop_token_ids)) for r in requests]
+            # Tokens each may still emit: at its limit it finishes (the scheduler's LENGTH).
+            budget = [r.max_num_tokens - len(r.token_ids) if r.max_num_tokens else NO_LIMIT for r in requests]
+        elif end_requested is not None:  # nothing finishes a request early: paced for end_requested alone
+            stops, budget = [[-1]] * len(requests), [NO_LIMIT] * len(requests)
+        else:
+            return None
+        return cls(to_device(stops, torch.int64, device), to_device(budget, torch.int64, device), num_rounds,
+                   end_requested)
+
+    def asked_to_end(self, last: int) -> bool:
+        """Whether the scheduler asked to end the rounds, which then end with round ``last`` (the host calls it
+        after ``after_round``, when that said go on). False past the planned rounds or when nobody can ask."""
+        if self.end_requested is None or last + 1 >= len(self.flags) or not self.end_requested():
+            return False
+        self.rounds_run, self.ended_on_request = last + 1, True
+        return True
 
     def after_round(self, rnd: int, tokens: torch.Tensor, accepted: torch.Tensor) -> bool:
         """Count round ``rnd``'s output (``tokens`` [R, B, 1 + k] and ``accepted`` [R, B], every round's) and say
@@ -99,3 +129,4 @@ class RoundStops:
             self.rounds_run = rnd + 1
             return True
         return False
+

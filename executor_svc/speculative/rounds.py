@@ -31,7 +31,7 @@ request may hold are the scratch block's, and the tokens there are dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ from executor_svc.speculative.round_stops import RoundStops
 from executor_svc.speculative.tree_rounds import TreeRounds
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
 from kvcache.layout import device_slots, scratch_block
+from protos.plan import SamplingConfig
 
 
 @dataclass(slots=True)
@@ -87,7 +88,7 @@ class RoundsOutput:
         if ran is None or ran >= self.num_rounds:
             return
         self.tokens, self.accepted, self.drafted = self.tokens[:ran], self.accepted[:ran], self.drafted[: ran + 1]
-        self.finished_early = True
+        self.finished_early = not stops.ended_on_request
 
     @classmethod
     def empty(cls, num_rounds: int, requests: Sequence[RoundsRequest], k: int, device: torch.device) -> RoundsOutput:
@@ -177,7 +178,8 @@ class RoundsRunner:
 
     @torch.inference_mode()
     def warm_up(self, draft_lengths: Sequence[int]) -> None:
-        """Compile the round kernels for each draft length now (engine load) rather than at a first step."""
+        """Compile the round kernels for each draft length and run a step of them now (engine load) rather than
+        at a first step."""
         if self.graphs is None:
             return
         from executor_svc.speculative.rounds_triton import round_finished, round_inputs, round_verdict
@@ -198,10 +200,19 @@ class RoundsRunner:
                           torch.zeros((1, 1), dtype=torch.int64, device=device),
                           torch.zeros((2, 1), dtype=torch.int64, device=device), 0, *self.ngram_sizes,
                           self._heads_inputs(), self._looks_up)
-            if self.end_early:
-                one = torch.ones(1, dtype=torch.int64, device=device)
-                round_finished(rows[0].view(1, 1, k + 1), one.view(1, 1), 0, one.view(1, 1), one, torch.zeros_like(one),
-                               torch.zeros(1, dtype=torch.int32, device=device))
+            one = torch.ones(1, dtype=torch.int64, device=device)
+            round_finished(rows[0].view(1, 1, k + 1), one.view(1, 1), 0, one.view(1, 1), one, torch.zeros_like(one),
+                           torch.zeros(1, dtype=torch.int32, device=device))
+        # Then a whole step of two rounds per draft length, on a request that owns nothing but the scratch block:
+        # the first chained step of a process otherwise paid for what only a real step touches (the torch
+        # operations around the kernels, their first loads on the device) at about 12 ms a round on an H100.
+        greedy = RequestSamplingState(SamplingConfig(temperature=0.0), [], device)
+        history = [(7 * i + 3) % 50 for i in range(8)] * 2  # repeats itself: the lookup finds drafts
+        for k in draft_lengths:
+            if self.graphs.fits(self.round_rows(k), len(history) + 2 * self.round_rows(k)):
+                dummy = RoundsRequest(history, [], history[-k:], greedy, stop_token_ids=(0,))
+                self.run([dummy], k, 2, next_drafts=k, end_requested=lambda: False)
+        torch.cuda.synchronize(device)
 
     def _heads_inputs(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None if self.chain is None else (self.chain.last_tokens, self.chain.hidden_rows)
@@ -214,11 +225,14 @@ class RoundsRunner:
     @torch.inference_mode()
     def run(
         self, requests: Sequence[RoundsRequest], num_drafts: int, num_rounds: int, next_drafts: int = 0,
+        end_requested: Callable[[], bool] | None = None,
     ) -> RoundsOutput:
         """Queue ``num_rounds`` rounds of verifying ``num_drafts`` drafts for every request; with heads, and
         ``next_drafts`` > 0, also that many drafts per request for the next step. Fewer rounds run when every
-        request finishes before the last (``round_stops.py``); then nothing is drafted for a next step."""
-        stops = RoundStops.of(requests, num_rounds, self.kv_cache.device) if self.end_early else None
+        request finishes before the last (``round_stops.py``), and then nothing is drafted for a next step; or
+        when ``end_requested``, asked between rounds, says the scheduler wants the step to end (the last round
+        that runs then drafts for the next step)."""
+        stops = RoundStops.of(requests, num_rounds, self.kv_cache.device, self.end_early, end_requested)
         if self.uses_tree(num_drafts):
             return self.trees.run(requests, num_drafts, num_rounds, next_drafts, stops)
         rows = len(requests) * (num_drafts + 1)
@@ -295,17 +309,20 @@ class RoundsRunner:
             out.accepted[rnd] = accepted
             if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
+            last = rnd + 1 == num_rounds or (stops is not None and stops.asked_to_end(rnd))
             if self.chain is not None:  # what round_verdict writes for the heads, then their drafts
                 self.chain.hidden_rows[:batch] = torch.arange(batch, device=device) * rows_per_request + accepted
                 self.chain.last_tokens[:batch] = row_tokens.gather(1, accepted[:, None]).squeeze(1)
                 lookup = None
-                if self.heads_lookup and (rnd + 1 < num_rounds or next_k):  # drafts are wanted after this round
+                if self.heads_lookup and (not last or next_k):  # drafts are wanted after this round
                     lookup = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
-                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, batch, lookup)
-                if lookup is None and rnd + 1 < num_rounds:
+                drafts = self._heads_draft(out, hidden, rnd, rnd + 1 if last else num_rounds, k, next_k, batch, lookup)
+                if lookup is None and not last:
                     out.drafted[rnd + 1] = k  # what the verdict kernel writes for the heads
-            elif rnd + 1 < num_rounds:
+            elif not last:
                 drafts, out.drafted[rnd + 1] = ngram_drafts_on_device(history, lens, k, *self.ngram_sizes, with_counts=True)
+            if last:
+                break
         return out
 
     def _run_fused(
@@ -329,9 +346,13 @@ class RoundsRunner:
                           self._heads_inputs(), self._looks_up)
             if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
+            last = rnd + 1 == num_rounds or (stops is not None and stops.asked_to_end(rnd))
             if self.chain is not None:  # with the lookup, the verdict left its drafts in ``drafts``
                 lookup = (drafts, out.drafted[rnd + 1]) if self.heads_lookup else None
-                drafts = self._heads_draft(out, hidden, rnd, num_rounds, k, next_k, num_requests, lookup)
+                drafts = self._heads_draft(out, hidden, rnd, rnd + 1 if last else num_rounds, k, next_k,
+                                           num_requests, lookup)
+            if last:
+                break
         return out
 
     def _heads_draft(
@@ -339,7 +360,8 @@ class RoundsRunner:
         num_requests: int, lookup: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """After round ``rnd`` (the chain's inputs written): the heads' drafts for the next round, returned;
-        after the last round, ``next_k`` drafts for the next step into ``out.next_drafts`` (None returned).
+        after the last round (``num_rounds``: the rounds that run), ``next_k`` drafts for the next step into
+        ``out.next_drafts`` (None returned).
         With ``lookup`` (its drafts [B, k] and real guesses [B] after this round) a request whose lookup found
         a match takes its drafts instead (``prefer_lookup``), which also sets the next round's real guesses."""
         width = k if rnd + 1 < num_rounds else next_k

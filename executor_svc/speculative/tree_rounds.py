@@ -242,9 +242,10 @@ class TreeRounds:
             out.tokens[rnd], out.accepted[rnd] = s.tokens, s.accepted
             if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
                 break
-            if rnd + 1 < num_rounds:
-                nodes = self._grow(hidden, batch, t)
-                out.drafted[rnd + 1] = t.k
+            if rnd + 1 == num_rounds or (stops is not None and stops.asked_to_end(rnd)):
+                break
+            nodes = self._grow(hidden, batch, t)
+            out.drafted[rnd + 1] = t.k
         self._last_hidden = hidden
 
     def _run_graphed(
@@ -268,20 +269,27 @@ class TreeRounds:
         self._write_rows(s, t, self._first_nodes(requests, t, s.last, bucket))
         entry = graphs.graphs[(rows_bucket, width)]
         ids = graphs.input_ids[: bucket * rows_per].view(bucket, rows_per)
+        # The round that ends the step: after a round's forward its judge and the next round's tree are one
+        # graph, so a request to end the rounds (``stops.asked_to_end``) takes effect a round later.
+        final = num_rounds - 1
         for rnd in range(num_rounds):
             graphs.replay(rows_bucket, width)
             if captured is not None:
-                (captured.draft if rnd + 1 < num_rounds else captured.last).replay()
+                (captured.draft if rnd < final else captured.last).replay()
             else:  # the same work as the captured graphs, run eagerly
                 self._judge(s, t, ids, entry.logits, sampled)
-                if rnd + 1 < num_rounds:
+                if rnd < final:
                     self._write_rows(s, t, self._grow(entry.hidden, bucket, t))
             out.tokens[rnd].copy_(s.tokens[:batch])
             out.accepted[rnd].copy_(s.accepted[:batch])
-            if rnd + 1 < num_rounds:
-                out.drafted[rnd + 1] = t.k
-                if stops is not None and stops.after_round(rnd, out.tokens, out.accepted):
+            if rnd == final:
+                break
+            out.drafted[rnd + 1] = t.k
+            if stops is not None:
+                if stops.after_round(rnd, out.tokens, out.accepted):
                     break
+                if stops.asked_to_end(rnd + 1):
+                    final = rnd + 1
         graphs.clear_tree_masks(rows_bucket)
         self._last_hidden = graphs.graphs[(rows_bucket, width)].hidden
 
