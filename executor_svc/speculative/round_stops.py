@@ -129,4 +129,3 @@ class RoundStops:
             self.rounds_run = rnd + 1
             return True
         return False
-
