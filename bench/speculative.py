@@ -717,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--num-draft-tokens", type=int, default=None, help="default: the mode's (15 for ngram, 4 otherwise)")
         p.add_argument("--ngram-min", type=int, default=1)
         p.add_argument("--ngram-max", type=int, default=4)
-        p.add_argument("--speculative-rounds", type=int, default=8, help="ngram and draft heads: most verification rounds chained per step")
+        p.add_argument("--speculative-rounds", type=int, default=32,
+                       help="ngram and draft heads: most verification rounds chained per step")
         p.add_argument("--draft-tree", default="default", help="mode draft_heads_tree: the tree's shape (see inflight serve)")
         p.add_argument("--max-num-tokens", type=int, default=8192)
         p.add_argument("--max-seq-len", type=int, default=4096)

@@ -41,9 +41,10 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                    help="draft_model: engine folder, model name, Hugging Face folder or .gguf (built like the target)")
     g.add_argument("--ngram-min", type=int, default=1, help="ngram: shortest suffix to look up")
     g.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix to look up")
-    g.add_argument("--speculative-rounds", type=int, default=8,
-                   help="ngram: most verification rounds one step chains on the device, drafting each from the "
-                        "tokens the last accepted (1 = one round a step)")
+    g.add_argument("--speculative-rounds", type=int, default=32,
+                   help="ngram, draft_heads: most verification rounds one step chains on the device, drafting each "
+                        "from the tokens the last accepted; a stream gets a step's tokens together, and an arriving "
+                        "request ends the step's rounds early (1 = one round a step)")
     g.add_argument("--heads-lookup", type=int, default=0, metavar="N",
                    help="draft_heads: where a request's last N or more tokens (up to --ngram-max) occurred earlier "
                         "in its own tokens, draft what followed there instead of the heads' guesses, up to "

@@ -941,7 +941,6 @@ def test_an_arriving_request_ends_a_steps_chained_rounds(engine, tokenizer, monk
     from inflight.inprocess import InProcessExecutor
     from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
     from scheduler_svc.executor_client import GrpcExecutorConnection
-    from tests.servers import free_port
 
     calls = _counting_rounds(monkeypatch)
     prompts, max_tokens = [COPY_PROMPTS[1], COPY_PROMPTS[2]], 48
@@ -981,6 +980,8 @@ def test_an_arriving_request_ends_a_steps_chained_rounds(engine, tokenizer, monk
     if transport == "in_process":
         outputs, ended = run(lambda: InProcessExecutor(spec), staggered=True)
     else:
+        from tests.servers import free_port
+
         address = f"127.0.0.1:{free_port()}"
         server, pipeline = serve_executor(spec, address)
         model_thread = threading.Thread(target=pipeline.run_forever, daemon=True)

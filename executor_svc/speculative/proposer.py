@@ -46,7 +46,9 @@ class SpeculativeConfig:
     ngram_max: int = 4
     draft_engine_dir: Path | None = None  # DRAFT_MODEL: an engine of the same tokenizer
     # NGRAM and DRAFT_HEADS: most verification rounds one step chains on the device (speculative/rounds.py).
-    max_rounds: int = 8
+    # Many rounds spread a step's host work thinly; a request that arrives ends the step's rounds early
+    # (``ModelRunner.end_rounds``), so it waits for about a round, not for all of them.
+    max_rounds: int = 32
     # DRAFT_HEADS: verify tree drafts of this shape (paths of guess ranks, ``draft_tree.py``); None: chains.
     draft_tree: tuple[tuple[int, ...], ...] | None = None
     # Chained rounds stop once every request of the step has finished (``round_stops.py``); off only to

@@ -205,7 +205,8 @@ class RoundsRunner:
                            torch.zeros(1, dtype=torch.int32, device=device))
         # Then a whole step of two rounds per draft length, on a request that owns nothing but the scratch block:
         # the first chained step of a process otherwise paid for what only a real step touches (the torch
-        # operations around the kernels, their first loads on the device) at about 12 ms a round on an H100.
+        # operations around the kernels, their first use on the device): 14.7 ms for two rounds instead of 1.7 on
+        # an H100 (bench/results/h100_spec_heads_arrivals{_before,}_smollm2.json).
         greedy = RequestSamplingState(SamplingConfig(temperature=0.0), [], device)
         history = [(7 * i + 3) % 50 for i in range(8)] * 2  # repeats itself: the lookup finds drafts
         for k in draft_lengths:
