@@ -157,6 +157,12 @@ class KVCacheManager:
 
     # -- growth and release ------------------------------------------------------------
 
+    def unreserved_blocks_for(self, request_id: str, num_tokens: int) -> int:
+        """Free blocks (beyond the request's reservation) that growing it to ``num_tokens`` tokens would take."""
+        entry = self._tables[request_id]
+        missing = blocks_for_tokens(num_tokens, self.tokens_per_block) - len(entry.block_ids)
+        return max(0, missing - entry.reserved)
+
     def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
         """Grow the request's table to hold ``num_tokens`` tokens; return the new block ids,
         or None when not enough blocks are free (only without a reservation).

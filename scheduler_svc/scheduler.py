@@ -335,7 +335,24 @@ class Scheduler:
             # a short one, each paying a step's host round trip. Positions must stay within max_seq_len.
             room = cfg.max_seq_len - request.num_tokens
             rounds = min(rounds, (room - rows) // (1 + draft_length) + 1 if room >= rows else 0)
-        return max(1, rounds)
+        return self._rounds_within_free_blocks(order, draft_length, max(1, rounds))
+
+    def _rounds_within_free_blocks(self, order: list[Request], draft_length: int, rounds: int) -> int:
+        """``rounds``, halved until every request's slots for them come from its reservation or free blocks.
+        The rounds reserve slots for every draft accepted (most of them are not), and taking those from
+        other requests (MAX_UTILIZATION preempts for blocks) would make speculation cost the batch work."""
+        kv, cfg = self.kv, self.config
+        free = kv.num_free_blocks
+        while rounds > 1:
+            span = cfg.rounds_kv_span(draft_length, rounds)
+            wanted = sum(
+                kv.unreserved_blocks_for(r.request_id, min(r.num_computed_tokens + span, r.max_total_tokens))
+                for r in order
+            )
+            if wanted <= free:
+                break
+            rounds //= 2
+        return rounds
 
     def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).

@@ -462,6 +462,26 @@ def test_chained_rounds_run_past_max_tokens_without_blocks_for_it():
     assert s.schedule().cached_requests[0].num_rounds == 4
 
 
+def test_chained_rounds_take_only_free_blocks_and_never_preempt_for_them():
+    """Under MAX_UTILIZATION a step asks blocks for every slot its rounds may write; rounds that would need more
+    than the free blocks are halved until they fit, rather than preempting a request for slots most drafts will
+    not fill."""
+    from scheduler_svc.scheduler import CapacityPolicy
+
+    s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=16, adaptive_draft_length=False,
+                       capacity_policy=CapacityPolicy.MAX_UTILIZATION, num_kv_blocks=6, max_num_tokens=256)
+    for name in ("a", "b"):
+        s.add_request(make_request(name, 6, max_tokens=200))
+    plan = s.schedule()
+    s.update(StepResult(plan.step_id, [RequestOutput(n, [100], [101, 102, 103]) for n in ("a", "b")]))
+    assert s.kv.num_free_blocks == 4  # one block each so far
+    plan = s.schedule()
+    # 16 rounds of 1 + 3 would take each request to 7 + 64 tokens (5 blocks): 8 more blocks than the 4 free.
+    # 8 rounds reach 7 + 32 (3 blocks each): 4 more, which fit.
+    assert {c.request_id: c.num_rounds for c in plan.cached_requests} == {"a": 8, "b": 8}
+    assert s.num_preemptions == 0 and s.kv.num_free_blocks == 0
+
+
 def test_draft_length_follows_the_measured_step_cost():
     policy = DraftLengthPolicy(max_draft_tokens=4)
     candidates = [Candidate(str(i), 4, 0.7) for i in range(8)]
