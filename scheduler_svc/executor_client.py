@@ -95,6 +95,8 @@ class GrpcExecutorConnection:
             return
         try:
             await self._stub.EndRounds(ex.EndRoundsRequest(step_id=step_id), timeout=5.0)
+        except grpc.aio.UsageError:  # the channel closed meanwhile: the engine is stopping
+            return
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._end_rounds_unsupported = True

@@ -1018,6 +1018,42 @@ def test_an_arriving_request_ends_a_steps_chained_rounds(engine, tokenizer, monk
     assert any(ran < planned and not finished for _, _, planned, ran, finished in calls)
 
 
+def test_an_executor_without_end_rounds_is_asked_once():
+    """An executor of an earlier protocol answers EndRounds with UNIMPLEMENTED: the scheduler's connection takes
+    that as no, stops asking, and raises nothing (the step runs its rounds out)."""
+    from concurrent import futures
+
+    import grpc
+
+    from protos import executor_pb2_grpc as ex_grpc
+    from scheduler_svc.executor_client import GrpcExecutorConnection
+
+    calls = []
+
+    class Earlier(ex_grpc.ExecutorServicer):  # every RPC unimplemented, as before EndRounds existed
+        def EndRounds(self, request, context):
+            calls.append(request.step_id)
+            return super().EndRounds(request, context)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    ex_grpc.add_ExecutorServicer_to_server(Earlier(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        async def ask() -> bool:
+            connection = GrpcExecutorConnection(f"127.0.0.1:{port}")
+            try:
+                for step_id in (3, 4):
+                    await connection.end_rounds(step_id)
+                return connection._end_rounds_unsupported
+            finally:
+                await connection.close()
+
+        assert run_async(ask()) and calls == [3]
+    finally:
+        server.stop(0)
+
+
 def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):
     spec = _with_speculation(engine, SpeculativeMode.NGRAM)
     outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, sampling={"temperature": 0.7, "top_p": 0.9})
