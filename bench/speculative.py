@@ -244,7 +244,7 @@ async def _arrival_probes(async_engine, texts: list[list[int]], probes: int, max
     rounds the arrival waits for the step in flight: all of its rounds, unless the step ends them early."""
     from scheduler_svc.api_types import GenerationRequest
 
-    ttfts, ended_before = [], getattr(async_engine, "num_rounds_ended", 0)
+    ttfts, ended_before = [], async_engine.num_rounds_ended
     for i in tqdm(range(probes), desc=desc, file=sys.stderr, mininterval=2):
         running = GenerationRequest(token_ids=texts[i % len(texts)], max_tokens=max_tokens, temperature=0.0,
                                     ignore_eos=True)
@@ -267,7 +267,7 @@ async def _arrival_probes(async_engine, texts: list[list[int]], probes: int, max
         "probes": probes, "running_max_tokens": max_tokens, "delays_ms": list(ARRIVAL_DELAYS_MS),
         "ttft_ms": [round(t * 1e3, 3) for t in ttfts], "median_ttft_ms": statistics.median(ms),
         "p90_ttft_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "max_ttft_ms": ms[-1],
-        "steps_ended_early": getattr(async_engine, "num_rounds_ended", 0) - ended_before,
+        "steps_ended_early": async_engine.num_rounds_ended - ended_before,
     }
 
 

@@ -217,11 +217,8 @@ class Scheduler:
             else:
                 propose, lookahead = self._propose_for(request, computed + count, held, propose_now)
             asked = asked or propose > 0
-            if rounds > 1:
-                # Chained tree rounds compute more tokens than they can leave in the cache. Slots past what the
-                # request may ever hold are not allocated: rows there go to the executor's scratch block.
-                span = self.config.rounds_kv_span(draft_length, rounds)
-                need = min(computed + span + lookahead, request.max_total_tokens)
+            if rounds > 1:  # (no lookahead: chained rounds draft on the device)
+                need = self._rounds_slots(request, draft_length, rounds)
             else:
                 need = computed + count + lookahead
             new_blocks = allocate_slots(request_id, need)
@@ -341,18 +338,22 @@ class Scheduler:
         """``rounds``, halved until every request's slots for them come from its reservation or free blocks.
         The rounds reserve slots for every draft accepted (most of them are not), and taking those from
         other requests (MAX_UTILIZATION preempts for blocks) would make speculation cost the batch work."""
-        kv, cfg = self.kv, self.config
+        kv = self.kv
         free = kv.num_free_blocks
         while rounds > 1:
-            span = cfg.rounds_kv_span(draft_length, rounds)
-            wanted = sum(
-                kv.unreserved_blocks_for(r.request_id, min(r.num_computed_tokens + span, r.max_total_tokens))
-                for r in order
-            )
+            wanted = sum(kv.unreserved_blocks_for(r.request_id, self._rounds_slots(r, draft_length, rounds))
+                         for r in order)
             if wanted <= free:
                 break
             rounds //= 2
         return rounds
+
+    def _rounds_slots(self, request: Request, draft_length: int, rounds: int) -> int:
+        """The KV slots ``request`` needs for a step of ``rounds`` chained rounds. Chained tree rounds compute
+        more tokens than they can leave in the cache (``rounds_kv_span``); slots past what the request may ever
+        hold are not allocated: rows there go to the executor's scratch block."""
+        span = self.config.rounds_kv_span(draft_length, rounds)
+        return min(request.num_computed_tokens + span, request.max_total_tokens)
 
     def _propose_for(self, request: Request, computed_after: int, held: int, wanted: int) -> tuple[int, int]:
         """(drafts to ask for the request's next step, KV slots past its tokens that proposing them writes).
