@@ -1054,6 +1054,60 @@ def test_an_executor_without_end_rounds_is_asked_once():
         server.stop(0)
 
 
+@pytest.mark.parametrize("mode", ["ngram", "draft_heads"])
+def test_the_verification_warm_up_runs_overlapping_verifications_and_leaves_nothing_behind(
+    mode, engine, tokenizer, tmp_path, monkeypatch
+):
+    """At load on a GPU, the executor runs a prompt beside a verification and two verifications at once (one
+    sampled): those steps verify drafts, leave no request or host-time count behind, and a request served after
+    them, on the blocks they wrote, gets the tokens it gets without the warm-up. A failing warm-up step is
+    logged and cleaned up, not raised."""
+    from executor_svc.runner import ModelRunner
+    from executor_svc.speculative.draft_heads import DraftHeads, save_draft_heads
+    from protos.plan import NewRequest
+
+    spec = _with_speculation(engine, SpeculativeMode.NGRAM)
+    if mode == "draft_heads":
+        torch.manual_seed(0)
+        heads = DraftHeads(3, engine.model_config.hidden_size, engine.model_config.vocab_size)
+        with torch.no_grad():
+            heads.weight.normal_(std=0.02)
+        save_draft_heads(heads, tmp_path, {"test": True})
+        spec = dataclasses.replace(engine, engine_dir=tmp_path,
+                                   speculative=SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, 3))
+
+    def serve(runner) -> list[int]:
+        """One greedy request, on blocks the warm-up wrote, through its prompt and four verification steps."""
+        prompt = tokenizer.encode(COPY_PROMPTS[0])
+        greedy, table = SamplingConfig(temperature=0.0), list(range(8))
+        result = runner.execute(StepPlan(1, new_requests=[NewRequest("a", prompt, len(prompt), 0, len(prompt),
+                                                                     table, greedy, num_drafts_to_propose=3)]))
+        tokens = list(result.outputs[0].token_ids)
+        for step in range(2, 6):
+            drafts = result.outputs[0].next_draft_token_ids
+            computed = runner.requests["a"].num_computed_tokens
+            result = runner.execute(StepPlan(step, cached_requests=[
+                CachedRequest("a", computed, 1 + len(drafts), [], drafts, num_drafts_to_propose=3)]))
+            assert not result.request_errors
+            tokens += result.outputs[0].token_ids
+        return tokens
+
+    plain = serve(ModelRunner(spec))
+    warmed = ModelRunner(spec)
+    assert warmed.warm_up_verification() > 0
+    assert not warmed.requests and not any(warmed.host_seconds.values())
+    assert serve(warmed) == plain
+
+    import executor_svc.runner as runner_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken verification")
+
+    monkeypatch.setattr(runner_module, "verify_drafts", broken)
+    failing = ModelRunner(spec)
+    assert failing.warm_up_verification() == 0 and not failing.requests
+
+
 def test_sampled_requests_speculate_and_stay_valid(engine, tokenizer):
     spec = _with_speculation(engine, SpeculativeMode.NGRAM)
     outputs, usages, _ = _generate(spec, tokenizer, COPY_PROMPTS, sampling={"temperature": 0.7, "top_p": 0.9})
