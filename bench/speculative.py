@@ -124,11 +124,13 @@ CHAT = [
 # kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
 # ``heads1``: draft with the first set of heads trained by --more-train-draft-args, beside --train-heads' own.
 # ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
+# ``ms0``: chained steps of every round allowed, however long (--max-chained-step-ms for this mode alone).
 # ``vocab0``: the heads draft from every token; ``vocab8192`` from the 8,192 their training answers used most
 # (default: what the heads were trained with, --train-draft-args '--draft-vocab N').
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
                   "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels",
-                  "heads": "heads_set", "adaptive": "adaptive_draft_length", "vocab": "draft_vocab"}
+                  "heads": "heads_set", "adaptive": "adaptive_draft_length", "vocab": "draft_vocab",
+                  "ms": "max_chained_step_ms"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -203,11 +205,18 @@ async def _run(async_engine, requests, desc: str) -> dict:
     outputs: list[list[int]] = [[] for _ in requests]
     usages = [None] * len(requests)
     first_at: list[float | None] = [None] * len(requests)  # when each request's first token arrived
+    gaps: list[float] = []  # seconds between a stream's chunks of tokens, after its first
     with tqdm(desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
         async def one(i, request):
+            last = None
             async for chunk in async_engine.generate(request):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
                 if first_at[i] is None and chunk.token_ids:
-                    first_at[i] = time.perf_counter()
+                    first_at[i] = now
                 outputs[i].extend(chunk.token_ids)
                 usages[i] = chunk.usage or usages[i]
                 bar.update(len(chunk.token_ids))
@@ -223,6 +232,7 @@ async def _run(async_engine, requests, desc: str) -> dict:
         "outputs": outputs, "wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
         # Time to the first token (the prompt's step, which speculation does not change), latest request's.
         "ttft_s": max((t - started for t in first_at if t is not None), default=wall),
+        "chunk_gaps_s": gaps,
         "steps": async_engine.num_steps - steps_before,
         "serial_steps": async_engine.num_serial_steps - serial_before,  # planned after the previous result
         "draft_tokens": proposed, "accepted_draft_tokens": accepted,
@@ -284,6 +294,15 @@ def _cost_points(policy) -> dict:
         "serial": policy.costs.points(), "overlapped": policy.overlapped_costs.points(),
         "executor": policy.executor_costs.points(), "chained_host_per_step": host, "chained_per_round": rounds,
     }
+
+
+def _gap_summary(gaps: list[float]) -> dict | None:
+    """Median, 90th percentile and largest of the gaps between chunks, in ms (None without any)."""
+    if not gaps:
+        return None
+    ms = sorted(g * 1e3 for g in gaps)
+    return {"count": len(ms), "median": round(statistics.median(ms), 3),
+            "p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3), "max": round(ms[-1], 3)}
 
 
 def _rates(drafted: list[int], accepted: list[int]) -> list[float | None]:
@@ -379,7 +398,8 @@ def run_generate(args) -> dict:
             engine.decode_graphs = graphs_with_masks["tree"]
         adaptive = bool(getattr(settings, "adaptive_draft_length", not args.fixed_draft_length))
         limits = EngineLimits(max_queue_size=1 << 20, adaptive_draft_length=adaptive,
-                              overlap_scheduling=mode != "none_serial")
+                              overlap_scheduling=mode != "none_serial",
+                              max_chained_step_ms=settings.max_chained_step_ms)
         executor = InProcessExecutor(engine)
         async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
@@ -421,6 +441,8 @@ def run_generate(args) -> dict:
                 # Generation alone, which is what speculation speeds up: tokens after each request's first over
                 # the time after it (a long grounded prompt's step weighs on output_tokens_per_s; not on this).
                 "decode_tokens_per_s": _decode_rate(runs),
+                # How smoothly answers stream: time between a stream's chunks (a chained step's tokens come at once).
+                "chunk_gap_ms": _gap_summary([g for r in runs for g in r["chunk_gaps_s"]]),
             }
             choices: dict[int, int] = {}
             for r in runs:
@@ -456,6 +478,7 @@ def run_generate(args) -> dict:
                 if trace is not None:
                     run["policy_trace"] = trace[traced_from : traced_from + TRACE_LIMIT]
                 run.pop("outputs")
+                run["chunk_gap_ms"] = _gap_summary(run.pop("chunk_gaps_s"))
                 host_after = {**async_engine.host_seconds, **executor.runner.host_seconds}
                 cpu_after = {**async_engine.host_cpu_seconds, **executor.runner.host_cpu_seconds}
                 # Wall time per phase, and the thread's CPU time (wall minus waits for the interpreter lock).
@@ -719,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--ngram-max", type=int, default=4)
         p.add_argument("--speculative-rounds", type=int, default=32,
                        help="ngram and draft heads: most verification rounds chained per step")
+        p.add_argument("--max-chained-step-ms", type=float, default=50.0,
+                       help="a step chains no more rounds than its measured costs fit in this (0 = no limit)")
         p.add_argument("--draft-tree", default="default", help="mode draft_heads_tree: the tree's shape (see inflight serve)")
         p.add_argument("--max-num-tokens", type=int, default=8192)
         p.add_argument("--max-seq-len", type=int, default=4096)

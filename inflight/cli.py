@@ -60,6 +60,14 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
                         "tree's paths of guess ranks, e.g. '0;1;2;0,0;1,0;0,0,0': requests verify the tree")
 
 
+def _milliseconds(text: str) -> float:
+    """An argparse type: a time in milliseconds, 0 or more."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more milliseconds, got {text}")
+    return value
+
+
 def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port")
@@ -76,6 +84,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
                         "off while speculative decoding runs)")
     p.add_argument("--adaptive-draft-length", action=argparse.BooleanOptionalAction, default=True,
                    help="speculative decoding: draft length follows measured acceptance and step cost (off: always the most)")
+    p.add_argument("--max-chained-step-ms", type=_milliseconds, default=50.0, metavar="MS",
+                   help="speculative decoding: a step chains no more verification rounds than its measured costs "
+                        "fit in MS milliseconds, so a stream's chunks come at most about MS apart (0 = as many "
+                        "rounds as the executor's --speculative-rounds)")
     if with_limits:  # a standalone scheduler may serve below the engine's limits
         g = p.add_argument_group("limits (0 = the executor's)")
         g.add_argument("--max-batch-size", type=int, default=0)

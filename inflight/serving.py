@@ -124,6 +124,7 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
         num_kv_blocks=getattr(args, "num_kv_blocks", 0), max_host_blocks=getattr(args, "max_host_blocks", 0),
         capacity_policy=CapacityPolicy(args.capacity_policy.upper()), enable_prefix_caching=args.enable_prefix_caching,
         overlap_scheduling=args.overlap_scheduling, adaptive_draft_length=args.adaptive_draft_length,
+        max_chained_step_ms=args.max_chained_step_ms,
     )
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()

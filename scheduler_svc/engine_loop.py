@@ -51,6 +51,13 @@ class EngineLimits:
     enable_prefix_caching: bool = True
     max_draft_tokens: int = -1  # speculative decoding: -1 = the executor's most, 0 = off
     adaptive_draft_length: bool = True  # draft length follows acceptance and load (off: always the most)
+    # A step chains no more verification rounds than the measured costs fit in this (0 = as many as the
+    # executor offers): a stream gets a chained step's tokens when it ends.
+    max_chained_step_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not self.max_chained_step_ms >= 0:  # also NaN
+            raise ValueError(f"max_chained_step_ms must be 0 (no limit) or positive, got {self.max_chained_step_ms}")
 
 
 class _Stream:
@@ -141,6 +148,7 @@ class AsyncEngine:
             draft_lookahead_slots=info.drafts_need_lookahead_slots,
             adaptive_draft_length=lim.adaptive_draft_length,
             max_speculative_rounds=max(1, info.max_speculative_rounds),
+            max_chained_step_seconds=lim.max_chained_step_ms / 1e3,
             draft_tree_rows=tuple(info.draft_tree_rows),
         )
         self.scheduler = Scheduler(config)

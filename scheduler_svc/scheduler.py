@@ -121,7 +121,7 @@ class Scheduler:
                                  accepted_by_position=[0] * config.max_draft_tokens)
         self.draft_policy = DraftLengthPolicy(
             config.max_draft_tokens, config.adaptive_draft_length, config.max_batch_size,
-            max(config.max_speculative_rounds, 1),
+            max(config.max_speculative_rounds, 1), config.max_chained_step_seconds,
         )
         self._drafts_asked = False  # whether the last plan asked any request for drafts
         # step id -> (tokens per round, rounds, whether it verified drafts) of generation steps in flight
@@ -316,13 +316,14 @@ class Scheduler:
         (``_chain_draft_limit``; a request without drafts of its own starts from padding, and the device looks up
         its later rounds' drafts), drafts are verified, and their rows stay within max_seq_len (not max_tokens);
         at most ``TRIAL_ROUNDS`` when the draft length is the policy's trial (priced by a guess, or a probe),
-        which then costs two rounds if wrong, not every round."""
+        which then costs two rounds if wrong, not every round; and no more than the measured costs fit in
+        ``max_chained_step_seconds`` (a stream gets the step's tokens when it ends)."""
         cfg = self.config
         policy = self.draft_policy
         if not chainable or draft_length <= 0 or policy.verify_limit is not None:
             return 1
         rows = cfg.round_rows(draft_length)
-        rounds = min(cfg.max_speculative_rounds, cfg.max_num_tokens // (rows * len(order)))
+        rounds = min(policy.chained_rounds(rows * len(order)), cfg.max_num_tokens // (rows * len(order)))
         if policy.trial:
             rounds = min(rounds, TRIAL_ROUNDS)
         for request in order:

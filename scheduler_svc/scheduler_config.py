@@ -31,6 +31,9 @@ class SchedulerConfig:
     # Verification rounds one step may chain when every running request verifies drafts and
     # none waits (the executor drafts the later rounds on the device); 1 = one round a step.
     max_speculative_rounds: int = 1
+    # A chained step runs no more rounds than the measured costs fit in this many seconds (0 = no limit):
+    # its requests' tokens stream when it ends, so this bounds the time between a stream's chunks.
+    max_chained_step_seconds: float = 0.0
     # Tree drafts: the rows per request of a chained round of k drafts (index k - 1: its last token and
     # the tree's nodes of depth <= k). Empty: drafts form a chain, 1 + k rows.
     draft_tree_rows: tuple[int, ...] = ()

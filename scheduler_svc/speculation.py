@@ -339,6 +339,18 @@ class ChainedCosts:
         """(tokens, seconds a round without the host's share) per bucket (reports)."""
         return self.fit()[1] if self.recent else []
 
+    def rounds_within(self, num_tokens: int, max_rounds: int, seconds: float) -> int:
+        """The most rounds of ``num_tokens`` (up to ``max_rounds``) a step may chain and still take at most
+        ``seconds``, host share included, at the measured costs; at least 1. ``max_rounds`` while nothing is
+        measured or ``seconds`` is 0 (no limit)."""
+        if seconds <= 0 or not self.recent:
+            return max_rounds
+        host, points = self.fit()
+        per_round = _interpolate(points, num_tokens)
+        if per_round <= 0:
+            return max_rounds
+        return max(1, min(max_rounds, int((seconds - host) / per_round)))
+
     def round_seconds(self, num_tokens: int, rounds: int) -> float | None:
         """What a round of ``num_tokens`` costs in a step of ``rounds`` rounds (interpolated between sizes)."""
         if not self.recent:
@@ -372,11 +384,13 @@ class DraftLengthPolicy:
     """Picks the step's draft length K (see the module docstring)."""
 
     def __init__(self, max_draft_tokens: int, adaptive: bool = True, max_step_tokens: int = 0,
-                 max_rounds: int = 8) -> None:
+                 max_rounds: int = 8, max_chained_step_seconds: float = 0.0) -> None:
         self.max_draft_tokens = max_draft_tokens
         self.adaptive = adaptive
         self.max_step_tokens = max_step_tokens  # probes stay within it (0 = no limit)
         self.max_rounds = max_rounds  # rounds a chained step runs: its host share is spread over them
+        # A chained step runs no more rounds than fit in this (0 = no limit): its tokens stream when it ends.
+        self.max_chained_step_seconds = max_chained_step_seconds
         self.verify_limit: int | None = None  # this step's most requests that verify drafts (None = all)
         # This step's K is a trial (priced by a guess, or a probe of speculation that was off): the
         # scheduler chains it over at most TRIAL_ROUNDS rounds, so a wrong guess costs few rounds.
@@ -494,13 +508,19 @@ class DraftLengthPolicy:
 
     def _cost(self, k: int, num_tokens: int) -> float | None:
         if k > 0 and self._chainable:
-            return self.chained_costs.round_seconds(num_tokens, self.max_rounds)
+            rounds = self.chained_rounds(num_tokens)
+            return self.chained_costs.round_seconds(num_tokens, rounds)
         if k == 0 and self.overlap_available:
             for costs in (self.overlapped_costs, self.executor_costs):
                 seconds = costs.step_seconds(num_tokens)
                 if seconds is not None:
                     return seconds
         return self.costs.step_seconds(num_tokens)
+
+    def chained_rounds(self, num_tokens: int) -> int:
+        """Rounds a chained step of ``num_tokens`` a round may run: ``max_rounds``, fewer where the measured
+        costs say they would take longer than ``max_chained_step_seconds``."""
+        return self.chained_costs.rounds_within(num_tokens, self.max_rounds, self.max_chained_step_seconds)
 
     def _schedule_probes(self, best_k: int) -> None:
         if best_k > 0:  # speculation pays: probe soon again once it stops paying

@@ -1274,6 +1274,36 @@ def test_chained_costs_tell_a_steps_host_work_from_its_rounds():
     assert alone.covers(4) and not alone.covers(9)
 
 
+def test_a_chained_step_runs_only_the_rounds_that_fit_its_time_limit():
+    """With ``max_chained_step_seconds`` a step chains no more rounds than the measured host share and round cost
+    fit in it (its requests' tokens stream when it ends), at least one; the policy prices draft lengths by the
+    rounds it will run; without a measurement, or with no limit, it chains every round it may."""
+    from scheduler_svc.speculation import ChainedCosts
+
+    costs = ChainedCosts()
+    assert costs.rounds_within(4, 32, 0.02) == 32  # nothing measured yet
+    for rounds in (2, 16, 16):  # 2 ms of host work a step, 3 ms a round of 4 tokens
+        costs.observe(4, (2.0 + rounds * 3.0) / rounds * 1e-3, rounds)
+    assert costs.rounds_within(4, 32, 0.02) == 6  # 2 + 6 * 3 = 20 ms
+    assert costs.rounds_within(4, 4, 0.02) == 4 and costs.rounds_within(4, 32, 0.0) == 32
+    assert costs.rounds_within(4, 32, 0.003) == 1  # one round takes longer than the limit: one round a step
+
+    def rounds_planned(limit: float) -> int:
+        s = make_scheduler(max_draft_tokens=3, max_speculative_rounds=32, adaptive_draft_length=False,
+                           max_num_tokens=256, max_chained_step_seconds=limit)
+        s.draft_policy.chained_costs = costs
+        s.add_request(make_request("a", 6, max_tokens=400))
+        plan = s.schedule()
+        s.update(StepResult(plan.step_id, [RequestOutput("a", [100], [1, 2, 3])]))
+        return s.schedule().cached_requests[0].num_rounds
+
+    assert rounds_planned(0.02) == 6 and rounds_planned(0.0) == 32
+    policy = DraftLengthPolicy(max_draft_tokens=3, max_rounds=32, max_chained_step_seconds=0.02)
+    policy.chained_costs, policy._chainable = costs, True  # as choose() sets it for a step that may chain
+    assert policy.chained_rounds(4) == 6
+    assert policy._cost(3, 4) == pytest.approx(3e-3 + 2e-3 / 6)  # the host's share over the rounds that run
+
+
 def test_a_slow_first_chained_step_does_not_rule_its_size_out():
     """A fresh process's first chained step of a size may pay for what warms up. Priced off it alone, the size
     would never be chosen, so never measured again: it counts once measured TRUSTED times, and until then the
