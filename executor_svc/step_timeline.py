@@ -45,7 +45,9 @@ class StepTimeline:
         return event
 
     def collect(self, start: torch.cuda.Event, end: torch.cuda.Event, num_requests: int, num_tokens: int) -> StepTiming:
-        """Call after ``end`` completed (the step's results reached the host)."""
+        """Call once the step's results reached the host. ``end`` may be recorded after the event the host
+        waited on (a step queues a copy or two after its results); the wait for it is then that short."""
+        end.synchronize()  # elapsed_time raises on an event still pending, and that took a server down
         # Negative when this step was queued before the previous one finished: no idle time.
         idle = self._previous_end.elapsed_time(start) * 1e3 if self._previous_end is not None else 0.0
         timing = StepTiming(num_requests, num_tokens, start.elapsed_time(end) * 1e3, max(idle, 0.0))
