@@ -172,8 +172,9 @@ class ModelRunner:
         request verifying drafts one step at a time, then two requests verifying at once, one greedy and one
         sampled. At batch 1 with chained rounds a server otherwise first runs these when a second request
         arrives, in that request's wait for its first token: on an H100 the first such arrival of a process
-        waited 18-39 ms, later ones about 5 (bench/results/h100_spec_heads_arrivals_smollm2.json). Returns the
-        drafts verified (0: nothing to warm, or the KV pool is too small).
+        waited 26-27 ms without the warm-up and 3.8-3.9 ms with it, later ones 3.3-6.8 ms either way
+        (bench/results/h100_spec_heads_first_arrival_{before,after}{1,2}_smollm2.json). Returns the drafts
+        verified (0: nothing to warm, or the KV pool is too small).
 
         Like the prompt warm-up (``warm_up.py``) it writes KV entries into the pool's first blocks, which no
         request owns at load. Its requests are dropped and the host-time counters reset afterwards."""
