@@ -208,15 +208,15 @@ async def _run(async_engine, requests, desc: str) -> dict:
     gaps: list[float] = []  # seconds between a stream's chunks of tokens, after its first
     with tqdm(desc=desc, unit="tok", file=sys.stderr, mininterval=2) as bar:
         async def one(i, request):
-            last = None
+            last = 0.0  # when this stream's last chunk of tokens came
             async for chunk in async_engine.generate(request):
-                now = time.perf_counter()
                 if chunk.token_ids:
-                    if last is not None:
+                    now = time.perf_counter()
+                    if first_at[i] is None:
+                        first_at[i] = now
+                    else:
                         gaps.append(now - last)
                     last = now
-                if first_at[i] is None and chunk.token_ids:
-                    first_at[i] = now
                 outputs[i].extend(chunk.token_ids)
                 usages[i] = chunk.usage or usages[i]
                 bar.update(len(chunk.token_ids))
@@ -272,11 +272,11 @@ async def _arrival_probes(async_engine, texts: list[list[int]], probes: int, max
         async for _ in async_engine.generate(arriving):
             ttfts.append(time.perf_counter() - started)
         await answer
-    ms = sorted(t * 1e3 for t in ttfts)
+    ms = _ms_summary(ttfts)
     return {
         "probes": probes, "running_max_tokens": max_tokens, "delays_ms": list(ARRIVAL_DELAYS_MS),
-        "ttft_ms": [round(t * 1e3, 3) for t in ttfts], "median_ttft_ms": statistics.median(ms),
-        "p90_ttft_ms": ms[min(len(ms) - 1, int(0.9 * len(ms)))], "max_ttft_ms": ms[-1],
+        "ttft_ms": [round(t * 1e3, 3) for t in ttfts], "median_ttft_ms": ms["median"],
+        "p90_ttft_ms": ms["p90"], "max_ttft_ms": ms["max"],
         "steps_ended_early": async_engine.num_rounds_ended - ended_before,
     }
 
@@ -296,13 +296,13 @@ def _cost_points(policy) -> dict:
     }
 
 
-def _gap_summary(gaps: list[float]) -> dict | None:
-    """Median, 90th percentile and largest of the gaps between chunks, in ms (None without any)."""
-    if not gaps:
+def _ms_summary(seconds: list[float]) -> dict | None:
+    """How many, and the median, 90th percentile and largest, in ms, of ``seconds`` (None when empty)."""
+    if not seconds:
         return None
-    ms = sorted(g * 1e3 for g in gaps)
-    return {"count": len(ms), "median": round(statistics.median(ms), 3),
-            "p90": round(ms[min(len(ms) - 1, int(0.9 * len(ms)))], 3), "max": round(ms[-1], 3)}
+    ms = sorted(t * 1e3 for t in seconds)
+    return {"count": len(ms), "median": statistics.median(ms), "p90": ms[min(len(ms) - 1, int(0.9 * len(ms)))],
+            "max": ms[-1]}
 
 
 def _rates(drafted: list[int], accepted: list[int]) -> list[float | None]:
@@ -442,7 +442,7 @@ def run_generate(args) -> dict:
                 # the time after it (a long grounded prompt's step weighs on output_tokens_per_s; not on this).
                 "decode_tokens_per_s": _decode_rate(runs),
                 # How smoothly answers stream: time between a stream's chunks (a chained step's tokens come at once).
-                "chunk_gap_ms": _gap_summary([g for r in runs for g in r["chunk_gaps_s"]]),
+                "chunk_gap_ms": _ms_summary([g for r in runs for g in r["chunk_gaps_s"]]),
             }
             choices: dict[int, int] = {}
             for r in runs:
@@ -478,7 +478,7 @@ def run_generate(args) -> dict:
                 if trace is not None:
                     run["policy_trace"] = trace[traced_from : traced_from + TRACE_LIMIT]
                 run.pop("outputs")
-                run["chunk_gap_ms"] = _gap_summary(run.pop("chunk_gaps_s"))
+                run["chunk_gap_ms"] = _ms_summary(run.pop("chunk_gaps_s"))
                 host_after = {**async_engine.host_seconds, **executor.runner.host_seconds}
                 cpu_after = {**async_engine.host_cpu_seconds, **executor.runner.host_cpu_seconds}
                 # Wall time per phase, and the thread's CPU time (wall minus waits for the interpreter lock).
