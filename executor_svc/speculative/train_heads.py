@@ -414,40 +414,57 @@ def head_agreement(heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[to
     At position t the drafts follow the target's own choice there (its argmax,
     which the recurrent head is fed), and draft i is right when it names the
     target's argmax at t + 1 + i (teacher-forced on the text): the token greedy
-    verification would accept. A chain accepts its drafts up to the first wrong
-    one; both of its means are over positions with all drafts inside the text.
+    verification would accept (``chain_agreement`` sums it up).
     """
     k = heads.num_heads
-    device = next(heads.parameters()).device
-    hits = torch.zeros(k, dtype=torch.int64, device=device)
-    counts = [0] * k
-    accepted, chains = torch.zeros((), dtype=torch.int64, device=device), 0
-    walk_accepted, rounds = 0, 0
+    rights = []
     for hidden in hidden_lists:  # hidden: [T, H]
         length = hidden.shape[0]
         if length < 2:
             continue
-        greedy = torch.cat([model.compute_logits(hidden[s : s + EVAL_ROWS]).argmax(-1)
-                            for s in range(0, length, EVAL_ROWS)])  # [T]
+        greedy = greedy_tokens(model, hidden)  # [T]
         drafts = torch.cat([heads.propose(hidden[s:e], model, k, greedy[s:e])
                             for s in range(0, length - 1, EVAL_ROWS)
                             for e in [min(s + EVAL_ROWS, length - 1)]])  # [T - 1, K]
         right = torch.zeros_like(drafts, dtype=torch.bool)
         for i in range(min(k, length - 1)):
+            right[: length - 1 - i, i] = drafts[: length - 1 - i, i] == greedy[1 + i :]
+        rights.append(right)
+    return chain_agreement(rights, k)
+
+
+def greedy_tokens(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's argmax after each of ``hidden``'s rows ([T, H] -> [T] int64), a few rows of logits at a time."""
+    return torch.cat([model.compute_logits(hidden[s : s + EVAL_ROWS]).argmax(-1)
+                      for s in range(0, hidden.shape[0], EVAL_ROWS)])
+
+
+def chain_agreement(rights: list[torch.Tensor], k: int) -> Agreement:
+    """``Agreement`` of drafts judged per text: ``rights[n]`` [T - 1, K] bool, row t column i true when the draft
+    i made at position t of text n names the target's argmax at t + 1 + i (rows past the text's end false).
+
+    A chain accepts its drafts up to the first wrong one; both of its means are
+    over positions with all K drafts inside the text.
+    """
+    hits, counts = [0] * k, [0] * k
+    accepted, chains, walk_accepted, rounds = 0, 0, 0, 0
+    for right in rights:
+        length = right.shape[0] + 1
+        for i in range(min(k, length - 1)):
             scored = length - 1 - i  # positions 0 .. T - 2 - i have a token t + 1 + i in the text
-            right[:scored, i] = drafts[:scored, i] == greedy[1 + i :]
-            hits[i] += right[:scored, i].sum()
+            hits[i] += int(right[:scored, i].sum())
             counts[i] += scored
         whole = length - k  # positions whose K drafts all lie inside the text
-        if whole > 0:
-            chain = right[:whole].to(torch.int64).cumprod(dim=1).sum(dim=1)  # [whole]: drafts each accepts
-            accepted += chain.sum()
-            chains += whole
-            position, chain = 0, chain.tolist()
-            while position < whole:
-                walk_accepted += chain[position]
-                rounds += 1
-                position += chain[position] + 1
-    agreement = [round(int(h) / c, 4) if c else 0.0 for h, c in zip(hits.tolist(), counts)]
-    return Agreement(agreement, counts, round(int(accepted) / chains, 4) if chains else 0.0,
+        if whole <= 0:
+            continue
+        chain = right[:whole].to(torch.int64).cumprod(dim=1).sum(dim=1).tolist()  # drafts each position accepts
+        accepted += sum(chain)
+        chains += whole
+        position = 0
+        while position < whole:  # a round starts where the previous one's verification ended
+            walk_accepted += chain[position]
+            rounds += 1
+            position += chain[position] + 1
+    agreement = [round(h / c, 4) if c else 0.0 for h, c in zip(hits, counts)]
+    return Agreement(agreement, counts, round(accepted / chains, 4) if chains else 0.0,
                      round(walk_accepted / rounds, 4) if rounds else 0.0)
