@@ -553,16 +553,32 @@ class ModelRunner:
             except Exception as exc:
                 step.error = f"step failed: {type(exc).__name__}: {exc}"
         if step.error:
-            result.outputs.clear()
-            for request_id, state, _ in step.scheduled:
-                result.request_errors[request_id] = step.error
-                self._drop(request_id)
-                state.pending.clear()
-                state.verifying = False
-            if self.timeline is not None:
-                self.timeline.discard()
-            result.step_us = int((time.perf_counter() - step.started) * 1e6)
-            return result
+            return self._fail(step)
+        try:
+            return self._apply(step, values, finish_started, cpu)
+        except Exception as exc:  # noqa: BLE001 - a fault here fails this step's requests, not every one held
+            log.exception("applying step %d's results failed; its requests fail", result.step_id)
+            step.error = f"step failed: {type(exc).__name__}: {exc}"
+            return self._fail(step)
+
+    def _fail(self, step: LaunchedStep) -> StepResult:
+        """``step``'s result when it failed (``step.error``): each of its requests gets the error and is dropped;
+        the scheduler frees their blocks. Requests outside the step keep running."""
+        result = step.result
+        result.outputs.clear()
+        for request_id, state, _ in step.scheduled:
+            result.request_errors[request_id] = step.error
+            self._drop(request_id)
+            state.pending.clear()
+            state.verifying = False
+        if self.timeline is not None:
+            self.timeline.discard()
+        result.step_us = int((time.perf_counter() - step.started) * 1e6)
+        return result
+
+    def _apply(self, step: LaunchedStep, values: list[int], finish_started: float, cpu: float) -> StepResult:
+        """Apply a finished step's sampled ids (``values``) to its requests: their new tokens, outputs and drafts."""
+        result = step.result
         if self.timeline is not None:
             if step.marks is not None and step.done is not None:
                 self.timeline.collect(*step.marks, len(step.scheduled), step.num_tokens)

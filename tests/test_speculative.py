@@ -1144,6 +1144,34 @@ def test_a_failing_proposer_costs_drafts_not_the_step(engine):
     assert result.outputs[0].next_draft_token_ids == []
 
 
+def test_a_fault_applying_a_steps_results_fails_that_steps_requests_only(engine):
+    """A fault in the executor's bookkeeping after a step (here: recording a request's tokens) fails the requests of
+    that step with a message naming it; the executor keeps the others and serves the next step."""
+    from executor_svc.runner import ModelRunner
+    from protos.plan import NewRequest
+
+    runner = ModelRunner(_with_speculation(engine, SpeculativeMode.NGRAM))
+    greedy = SamplingConfig(temperature=0.0)
+    runner.execute(StepPlan(1, new_requests=[
+        NewRequest("a", [1, 2, 3, 4], 4, 0, 4, list(range(4)), greedy, 2),
+        NewRequest("b", [5, 6, 7, 8], 4, 0, 4, list(range(4, 8)), greedy, 2),
+    ]))
+    emit = runner._emit
+
+    def faulty(request_id, *args):
+        if request_id == "a":
+            raise RuntimeError("bookkeeping fault")
+        return emit(request_id, *args)
+
+    runner._emit = faulty
+    result = runner.execute(StepPlan(2, cached_requests=[CachedRequest("a", 4, 1, [])]))
+    assert set(result.request_errors) == {"a"} and "bookkeeping fault" in result.request_errors["a"]
+    assert not result.outputs and "a" not in runner.requests and "b" in runner.requests
+    runner._emit = emit
+    result = runner.execute(StepPlan(3, cached_requests=[CachedRequest("b", 4, 1, [])]))
+    assert not result.request_errors and len(result.outputs[0].token_ids) == 1
+
+
 def test_acceptance_learns_that_drafts_are_accepted_in_runs():
     from scheduler_svc.speculation import Acceptance
 
