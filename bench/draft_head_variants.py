@@ -83,7 +83,8 @@ def load_or_prepare(engine, base: dict, args: argparse.Namespace):
     the same engine and settings, else generated (and written there when asked)."""
     from executor_svc.speculative.train_heads import DistillData, prepare_data
 
-    key = {"engine": engine.engine_dir.name, **base, "chat_prompts": CHAT}
+    # Training settings (epochs) do not change the data: a cache serves runs that train for longer.
+    key = {"engine": engine.engine_dir.name, **{k: v for k, v in base.items() if k != "epochs"}, "chat_prompts": CHAT}
     cache = Path(args.data_cache) if args.data_cache else None
     if cache is not None and cache.is_file():
         saved = torch.load(cache, map_location=engine.device)
