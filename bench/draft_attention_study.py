@@ -46,8 +46,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import log, write_report  # noqa: E402
-from draft_head_variants import _distill_config, load_or_prepare  # noqa: E402
-from model_shapes import add_model_source_args, default_load_format, resolve_model_source  # noqa: E402
+from draft_head_variants import _distill_config, add_study_args, load_or_prepare, study_engine  # noqa: E402
+from model_shapes import default_load_format  # noqa: E402
 from speculative import CHAT  # noqa: E402  (the chat prompts the serving benchmark runs)
 
 
@@ -302,18 +302,8 @@ def judged_recurrent(engine, data, chat_hidden, args: argparse.Namespace) -> dic
 
 
 def run(args: argparse.Namespace) -> dict:
-    from executor_svc.build_config import BuildConfig
-    from executor_svc.engine import RuntimeConfig, load_engine
-    from executor_svc.engine_cache import build_cached
-    from inflight.model_store import default_cache_dir
-
-    checkpoint, _ = resolve_model_source(args)
-    build = BuildConfig(max_batch_size=8, max_num_tokens=2048, max_seq_len=args.max_tokens, dtype=args.dtype)
-    engine_dir = build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
-    engine = load_engine(engine_dir, RuntimeConfig(device=args.device, num_kv_blocks=-(-args.max_tokens // 16) + 1,
-                                                   cuda_graphs=False))
-    base = dict(num_heads=args.steps, num_texts=args.num_texts, max_tokens_per_text=args.max_tokens,
-                epochs=args.epochs, num_eval_texts=args.num_eval_texts, seed=args.seed)
+    engine, base = study_engine(args, args.steps)
+    engine_dir = engine.engine_dir
     data, chat_hidden = load_or_prepare(engine, base, args)
     model = engine.model
     for p in model.parameters():
@@ -358,28 +348,18 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_source_args(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    add_study_args(p)  # the data and its --data-cache are draft_head_variants.py's
     p.add_argument("--steps", type=int, default=4, help="chain depth trained and judged")
-    p.add_argument("--num-texts", type=int, default=1024)
-    p.add_argument("--num-eval-texts", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per text, prompt and answer")
-    p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=float, default=0.05, help="share of the steps the learning rate warms up over")
     p.add_argument("--texts-per-step", type=int, default=1, help="answers per optimiser step")
     p.add_argument("--decay", type=float, default=0.8, help="step j's loss weighs decay ** (j - 1)")
     p.add_argument("--hidden-weight", type=float, default=10.0, help="weight of the smooth L1 to the hidden state")
     p.add_argument("--intermediate-size", type=int, default=0, help="the layer's MLP width (0: the target's)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--with-prompt", action="store_true",
                    help="the attention draft also reads each answer's chat-templated request (as serving would); "
                         "chains still begin in the answer only")
     p.add_argument("--skip-recurrent", action="store_true", help="do not train the recurrent head for comparison")
-    p.add_argument("--data-cache", default="", metavar="FILE",
-                   help="keep the generated data here and reuse it (the same file as draft_head_variants.py's)")
-    p.add_argument("--output", required=True)
     args = p.parse_args(argv)
     default_load_format(args)
     write_report("bench/draft_attention_study.py", argv, args.device, Path(args.output), run(args))

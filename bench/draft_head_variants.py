@@ -101,21 +101,45 @@ def load_or_prepare(engine, base: dict, args: argparse.Namespace):
     return data, chat_hidden
 
 
-def run(args: argparse.Namespace) -> dict:
+def study_engine(args: argparse.Namespace, num_heads: int):
+    """The target (built, or found in the engine cache) loaded for a study of drafts, with room for one text of
+    ``args.max_tokens``, and the data settings of ``--data-cache`` for drafts of ``num_heads`` steps."""
     from executor_svc.build_config import BuildConfig
-    from executor_svc.engine_cache import build_cached
     from executor_svc.engine import RuntimeConfig, load_engine
-    from executor_svc.speculative.train_heads import fit_heads, head_agreement
+    from executor_svc.engine_cache import build_cached
     from inflight.model_store import default_cache_dir
 
-    variants = [parse_variant(v) for v in args.variants]
     checkpoint, _ = resolve_model_source(args)
     build = BuildConfig(max_batch_size=8, max_num_tokens=2048, max_seq_len=args.max_tokens, dtype=args.dtype)
     engine_dir = build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
     min_blocks = -(-args.max_tokens // build.tokens_per_block)
     engine = load_engine(engine_dir, RuntimeConfig(device=args.device, num_kv_blocks=min_blocks, cuda_graphs=False))
-    base = dict(num_heads=args.num_heads, num_texts=args.num_texts, max_tokens_per_text=args.max_tokens,
+    base = dict(num_heads=num_heads, num_texts=args.num_texts, max_tokens_per_text=args.max_tokens,
                 epochs=args.epochs, num_eval_texts=args.num_eval_texts, seed=args.seed)
+    return engine, base
+
+
+def add_study_args(p: argparse.ArgumentParser) -> None:
+    """The options a study of drafts shares with this one: the target, its data and how long to train."""
+    add_model_source_args(p)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-texts", type=int, default=1024)
+    p.add_argument("--num-eval-texts", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per text, prompt and answer")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-cache", default="", metavar="FILE",
+                   help="keep the generated data here and reuse it when the engine and settings match")
+    p.add_argument("--output", required=True)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from executor_svc.speculative.train_heads import fit_heads, head_agreement
+
+    variants = [parse_variant(v) for v in args.variants]
+    engine, base = study_engine(args, args.num_heads)
+    engine_dir = engine.engine_dir
     if args.requests != "builtin":  # (only then: data cached before the setting existed stays valid)
         base["requests"] = args.requests
     started = time.perf_counter()
@@ -153,23 +177,13 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_source_args(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
+    add_study_args(p)
     p.add_argument("--variants", default="default", type=lambda s: s.split(";") if ";" in s else s.split(","),
                    help="comma-separated names (default, inner2304, hidden0, norm), "
                         "or ';'-separated name:field=value,...")
     p.add_argument("--num-heads", type=int, default=4, help="chain depth the heads train and are judged at")
-    p.add_argument("--num-texts", type=int, default=1024)
-    p.add_argument("--num-eval-texts", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens per text, prompt and answer")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--requests", default="builtin", choices=["builtin", "sampled", "mixed"],
                    help="where the training requests come from (`inflight train-draft --requests`)")
-    p.add_argument("--data-cache", default="", metavar="FILE",
-                   help="keep the generated data here and reuse it when the engine and settings match")
-    p.add_argument("--output", required=True)
     args = p.parse_args(argv)
     default_load_format(args)
     write_report("bench/draft_head_variants.py", argv, args.device, Path(args.output), run(args))
