@@ -46,7 +46,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import log, write_report  # noqa: E402
-from draft_head_variants import _distill_config, add_study_args, load_or_prepare, study_engine  # noqa: E402
+from draft_head_variants import (  # noqa: E402
+    _distill_config, add_study_args, fit_and_judge, load_or_prepare, study_engine)
 from model_shapes import default_load_format  # noqa: E402
 from speculative import CHAT  # noqa: E402  (the chat prompts the serving benchmark runs)
 
@@ -284,23 +285,6 @@ def judged(draft: AttentionDraft, model: nn.Module, texts: list[Text], steps: in
             "walk_accepted": measured.walk_accepted}
 
 
-def judged_recurrent(engine, data, chat_hidden, args: argparse.Namespace) -> dict:
-    """The served head kind trained on the same data at its defaults, for comparison."""
-    from executor_svc.speculative.train_heads import fit_heads, head_agreement
-
-    config = _distill_config(num_heads=args.steps, num_texts=args.num_texts, max_tokens_per_text=args.max_tokens,
-                             epochs=args.epochs, num_eval_texts=args.num_eval_texts, seed=args.seed)
-    heads, trained = fit_heads(engine, config, data)
-    chat = head_agreement(heads, engine.model, chat_hidden)
-    return {
-        "train_seconds": trained.seconds, "epoch_losses": trained.epoch_losses,
-        "held_out": {"agreement": trained.agreement_after, "mean_accepted": trained.mean_accepted_after,
-                     "walk_accepted": trained.walk_accepted_after},
-        "bench_chat": {"agreement": chat.per_draft, "mean_accepted": chat.mean_accepted,
-                       "walk_accepted": chat.walk_accepted},
-    }
-
-
 def run(args: argparse.Namespace) -> dict:
     engine, base = study_engine(args, args.steps)
     engine_dir = engine.engine_dir
@@ -341,8 +325,9 @@ def run(args: argparse.Namespace) -> dict:
         "attention": result,
     }
     if not args.skip_recurrent:
-        report["recurrent"] = judged_recurrent(engine, data, chat_hidden, args)
-        log(f"recurrent head: held-out {report['recurrent']['held_out']}, bench chat {report['recurrent']['bench_chat']}")
+        report["recurrent"] = fit_and_judge(engine, _distill_config(**base), data, chat_hidden)
+        recurrent = report["recurrent"]
+        log(f"recurrent head: held-out {recurrent['held_out']}, bench chat {recurrent['bench_chat']}")
     return report
 
 

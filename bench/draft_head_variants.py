@@ -134,9 +134,23 @@ def add_study_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", required=True)
 
 
-def run(args: argparse.Namespace) -> dict:
+def fit_and_judge(engine, config, data, chat_hidden: list) -> dict:
+    """Train recurrent heads by ``config`` on ``data`` and judge them on the held-out texts and the bench chat
+    prompts' hidden states: per-draft agreement, drafts accepted per step and per round of a served walk."""
     from executor_svc.speculative.train_heads import fit_heads, head_agreement
 
+    heads, trained = fit_heads(engine, config, data)
+    chat = head_agreement(heads, engine.model, chat_hidden)
+    return {
+        "train_seconds": trained.seconds, "epoch_losses": trained.epoch_losses,
+        "held_out": {"agreement": trained.agreement_after, "mean_accepted": trained.mean_accepted_after,
+                     "walk_accepted": trained.walk_accepted_after},
+        "bench_chat": {"agreement": chat.per_draft, "mean_accepted": chat.mean_accepted,
+                       "walk_accepted": chat.walk_accepted},
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
     variants = [parse_variant(v) for v in args.variants]
     engine, base = study_engine(args, args.num_heads)
     engine_dir = engine.engine_dir
@@ -157,21 +171,14 @@ def run(args: argparse.Namespace) -> dict:
         "data_seconds": round(data_seconds, 1), "variants": {},
     }
     for name, overrides in variants:
-        config = _distill_config(**{**base, **overrides})
-        heads, trained = fit_heads(engine, config, data)
-        chat = head_agreement(heads, engine.model, chat_hidden)
-        result = {
-            "overrides": overrides, "train_seconds": trained.seconds, "epoch_losses": trained.epoch_losses,
-            "held_out": {"agreement": trained.agreement_after, "mean_accepted": trained.mean_accepted_after,
-                         "walk_accepted": trained.walk_accepted_after},
-            "bench_chat": {"agreement": chat.per_draft, "mean_accepted": chat.mean_accepted,
-                           "walk_accepted": chat.walk_accepted},
-        }
+        result = {"overrides": overrides, **fit_and_judge(engine, _distill_config(**{**base, **overrides}), data,
+                                                          chat_hidden)}
         report["variants"][name] = result
-        log(f"{name}: held-out first draft {trained.agreement_after[0]:.1%}, accepted per step "
-            f"{trained.mean_accepted_after:.2f} over every position, {trained.walk_accepted_after:.2f} per round; "
-            f"bench chat {chat.per_draft[0]:.1%}, {chat.mean_accepted:.2f}, {chat.walk_accepted:.2f} "
-            f"({trained.seconds:.0f} s)")
+        held, chat = result["held_out"], result["bench_chat"]
+        log(f"{name}: held-out first draft {held['agreement'][0]:.1%}, accepted per step "
+            f"{held['mean_accepted']:.2f} over every position, {held['walk_accepted']:.2f} per round; "
+            f"bench chat {chat['agreement'][0]:.1%}, {chat['mean_accepted']:.2f}, {chat['walk_accepted']:.2f} "
+            f"({result['train_seconds']:.0f} s)")
     return report
 
 
