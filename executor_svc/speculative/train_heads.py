@@ -321,12 +321,14 @@ def collect_hidden(
 
 def train_heads(
     heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[torch.Tensor], token_lists: list[torch.Tensor],
-    config: DistillConfig, progress: bool = True,
+    config: DistillConfig, progress: bool = True, feature_lists: list[torch.Tensor] | None = None,
 ) -> list[float]:
     """AdamW over ``config.epochs`` passes of the positions of ``hidden_lists`` (and their texts' tokens,
-    ``token_lists``, [tokens] int64 each); the mean loss of each epoch."""
+    ``token_lists``, [tokens] int64 each); the mean loss of each epoch. ``feature_lists`` ([tokens, F] each, row
+    for row with ``hidden_lists``): more of the target at each position for heads that read it (``features=``)."""
     device = next(heads.parameters()).device
     hidden_all = torch.cat(hidden_lists)  # [rows, H] in the target's dtype
+    features_all = None if feature_lists is None else torch.cat(feature_lists)
     tokens_all = torch.cat(token_lists).to(device)  # [rows]
     lengths = torch.tensor([h.shape[0] for h in hidden_lists], device=device)
     ends = torch.repeat_interleave(torch.cumsum(lengths, 0), lengths)  # [rows] first row past each row's text
@@ -350,7 +352,7 @@ def train_heads(
             for start in range(0, num_rows, config.batch_rows):
                 batch = order[start : start + config.batch_rows]
                 loss = distill_loss(heads, model, hidden_all, tokens_all, ends, batch, offsets, weights,
-                                    config.hidden_loss_weight)
+                                    config.hidden_loss_weight, features_all)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(heads.parameters(), config.max_grad_norm)
@@ -373,6 +375,7 @@ def distill_loss(
     offsets: torch.Tensor,  # [K] 1..K
     weights: torch.Tensor,  # [K] per-draft loss weights
     hidden_loss_weight: float = 0.0,
+    features_all: torch.Tensor | None = None,  # [rows, F] aligned with hidden_all, for heads that read more
 ) -> torch.Tensor:
     """Sum over drafts of weight_i x mean over the batch's valid rows of KL(p_target(t + 1 + i) || q_i(t)),
     plus, for the recurrent head, ``hidden_loss_weight`` x smooth L1 between its state i and h_{t + 1 + i}."""
@@ -383,7 +386,8 @@ def distill_loss(
     with torch.no_grad():
         teacher = F.log_softmax(model.compute_logits(hidden_all[unique]), dim=-1)  # [U, V] float32
     # The recurrent head's step i is fed the token at t + 1 + i (row t + i's choice) and predicts row t + 1 + i.
-    outputs = heads(hidden_all[batch], model, tokens_all[targets])
+    more = {} if features_all is None else {"features": features_all[batch]}
+    outputs = heads(hidden_all[batch], model, tokens_all[targets], **more)
     logits, states = outputs if isinstance(outputs, tuple) else (outputs, None)
     student = F.log_softmax(logits, dim=-1)  # [B, K, V]
     per_row = F.kl_div(student, teacher[inverse], log_target=True, reduction="none").sum(-1)  # [B, K]
@@ -408,22 +412,25 @@ class Agreement(NamedTuple):
 
 
 @torch.inference_mode()
-def head_agreement(heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[torch.Tensor]) -> Agreement:
+def head_agreement(heads: AnyDraftHeads, model: nn.Module, hidden_lists: list[torch.Tensor],
+                   feature_lists: list[torch.Tensor] | None = None) -> Agreement:
     """Per-draft agreement and accepted chain lengths of ``heads`` on the texts' hidden states.
 
     At position t the drafts follow the target's own choice there (its argmax,
     which the recurrent head is fed), and draft i is right when it names the
     target's argmax at t + 1 + i (teacher-forced on the text): the token greedy
-    verification would accept (``chain_agreement`` sums it up).
+    verification would accept (``chain_agreement`` sums it up). ``feature_lists``: as ``train_heads``'.
     """
     k = heads.num_heads
     rights = []
-    for hidden in hidden_lists:  # hidden: [T, H]
+    for n, hidden in enumerate(hidden_lists):  # hidden: [T, H]
         length = hidden.shape[0]
         if length < 2:
             continue
         greedy = greedy_tokens(model, hidden)  # [T]
-        drafts = torch.cat([heads.propose(hidden[s:e], model, k, greedy[s:e])
+        features = None if feature_lists is None else feature_lists[n]
+        drafts = torch.cat([heads.propose(hidden[s:e], model, k, greedy[s:e],
+                                          **({} if features is None else {"features": features[s:e]}))
                             for s in range(0, length - 1, EVAL_ROWS)
                             for e in [min(s + EVAL_ROWS, length - 1)]])  # [T - 1, K]
         right = torch.zeros_like(drafts, dtype=torch.bool)
