@@ -265,7 +265,7 @@ def train(draft: AttentionDraft, model: nn.Module, data: list[Text], args: argpa
                     loss = chain_loss(draft, model, text.hidden.float(), text.tokens, args.steps, args.decay,
                                       args.hidden_weight, text.first) / len(group)
                     loss.backward()
-                    epoch_loss += float(loss) * len(group)
+                    epoch_loss += loss.item() * len(group)
                 torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
                 optimizer.step()
                 schedule.step()
