@@ -122,7 +122,7 @@ CHAT = [
 # ``draft_heads:lookup3:k8``: draft heads, with prompt lookup's drafts (up to 8) wherever the request's last 3+
 # tokens occurred earlier in its own tokens (``--heads-lookup``). ``fused0``: a recurrent head's chain in torch's
 # kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
-# ``heads1``: draft with the first set of heads trained by --more-train-draft-args, beside --train-heads' own.
+# ``heads1``: draft with heads set 1 (sets 1, 2, ...: --more-train-draft-args' trained ones, then --more-heads' folders).
 # ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
 # ``ms0``: chained steps of every round allowed, however long (--max-chained-step-ms for this mode alone).
 # ``vocab0``: the heads draft from every token; ``vocab8192`` from the 8,192 their training answers used most
@@ -335,14 +335,23 @@ def run_generate(args) -> dict:
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
     if args.more_train_draft_args and not args.train_heads:
         raise SystemExit("--more-train-draft-args trains heads beside --train-heads' own: pass --train-heads too")
-    for mode in args.modes:  # before any training: a mode naming a set that will not exist fails at once
+    from executor_svc.speculative.draft_heads import HEADS_META_NAME, heads_meta_path
+
+    for folder in args.more_heads:  # before any training: a folder without heads fails at once
+        if not heads_meta_path(folder).is_file():
+            raise SystemExit(f"--more-heads {folder}: no {HEADS_META_NAME} there (train-draft --output writes one)")
+    num_sets = len(args.more_train_draft_args) + len(args.more_heads)
+    for mode in args.modes:  # a mode naming a set that will not exist fails at once too
         heads_set = getattr(_mode_settings(mode, args)[1], "heads_set", 0)
-        if heads_set > len(args.more_train_draft_args):
-            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} (sets 0 to "
-                             f"{len(args.more_train_draft_args)}: --more-train-draft-args trains sets 1, 2, ...)")
-    # Set 0 of draft heads is the engine's own; sets 1, 2, ... (--more-train-draft-args) live in folders of their
-    # own, served by modes with the setting headsN.
+        if heads_set > num_sets:
+            raise SystemExit(f"mode {mode!r}: no draft heads set {heads_set} (sets 0 to {num_sets}: "
+                             "--more-train-draft-args trains sets 1, 2, ..., --more-heads adds sets after them)")
+    # Set 0 of draft heads is the engine's own; sets 1, 2, ... (--more-train-draft-args, then --more-heads) live in
+    # folders of their own, served by modes with the setting headsN.
     heads_dirs: dict[int, Path] = {0: engine_dir}
+    first_given = 1 + (len(args.more_train_draft_args) if args.train_heads else 0)
+    for i, folder in enumerate(args.more_heads, start=first_given):
+        heads_dirs[i] = Path(folder)
     train_seconds: dict[int, float] = {}
     if args.train_heads:  # `inflight train-draft` with its defaults (self-distillation on the built-in corpus)
         from inflight.cli import main as inflight_main
@@ -369,12 +378,12 @@ def run_generate(args) -> dict:
                    "kernel_timings_us": {kind: choice.timings_us for kind, choice in base.manifest.plugins.items()}},
         "modes": {},
     }
-    if args.train_heads:
-        from executor_svc.speculative.draft_heads import read_heads_meta
+    from executor_svc.speculative.draft_heads import read_heads_meta
 
-        for i, folder in heads_dirs.items():
+    for i, folder in heads_dirs.items():  # every set of heads, trained here or given (the engine's own too)
+        if heads_meta_path(folder).is_file():
             key = "draft_heads" + (str(i) if i else "")
-            report[key] = {"train_seconds": train_seconds[i], **read_heads_meta(folder)}
+            report[key] = {"train_seconds": train_seconds.get(i), **read_heads_meta(folder)}
 
     graphs_with_masks: dict = {}
 
@@ -720,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--more-train-draft-args", action="append", default=[], metavar="ARGS",
                      help="with --train-heads: train another set of heads with these arguments, in a folder of its "
                           "own; a mode with the setting headsN serves the N-th such set (repeatable)")
+    gen.add_argument("--more-heads", action="append", default=[], metavar="DIR",
+                     help="serve the heads in this folder (train-draft --output DIR) as another set, numbered after "
+                          "--more-train-draft-args' sets (repeatable)")
     gen.add_argument("--fixed-draft-length", action="store_true", help="always the most drafts (no load-aware policy)")
     gen.add_argument("--arrival-probes", type=int, default=0, metavar="N",
                      help="after batch 1, N times: a request arrives while another answers; its time to first token")
