@@ -36,9 +36,10 @@ def add_train_draft_parser(subparsers: argparse._SubParsersAction) -> argparse.A
                    help="chat without --data: builtin (templated requests about everyday subjects), sampled (requests "
                         "the target writes itself, continuing its chat template where the user's message begins, at "
                         "temperature 1) or mixed (half each)")
-    p.add_argument("--num-texts", type=int, default=d.num_texts, help="training texts")
+    p.add_argument("--num-texts", type=int, default=d.num_texts,
+                   help="training texts (default %(default)s: every built-in chat request outside the held-out ones)")
     p.add_argument("--max-tokens-per-text", type=int, default=d.max_tokens_per_text, help="tokens kept per text")
-    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--epochs", type=int, default=d.epochs, help="passes over the training texts (default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate (cosine-decayed)")
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm, help="clip gradients to this norm")
     p.add_argument("--batch-rows", type=int, default=d.batch_rows, help="positions per minibatch")
