@@ -82,8 +82,9 @@ class DistillConfig:
     requests: str = "builtin"  # chat without ``data``: one of REQUEST_SOURCES
     # Training texts: by default every built-in chat request outside the held-out subjects (1,824; the docstrings
     # number about 210). On an H100, SmolLM2's heads trained on all of them for 5 epochs (193 s) accepted 0.87 drafts
-    # a round on held-out answers against 0.77 for 1,024 requests and 3 epochs (73 s), and emitted 2.16-2.32 tokens
-    # a serving round against 2.04-2.26 (bench/results/h100_spec_heads_chat_1848_e5*_smollm2.json).
+    # a round on held-out answers against 0.77 for 1,024 requests and 3 epochs (73 s), and serving rounds emitted
+    # 2.16-2.31 tokens against the 2.04-2.26 of earlier runs (bench/results/h100_spec_heads_chat_1848_e5*_smollm2.json).
+    # With --requests sampled or mixed, this many requests are written (or half of them).
     num_texts: int = 1824
     max_tokens_per_text: int = 256
     self_generate: bool = True  # train on the target's greedy continuations of the texts' first tokens
