@@ -122,7 +122,7 @@ CHAT = [
 # ``draft_heads:lookup3:k8``: draft heads, with prompt lookup's drafts (up to 8) wherever the request's last 3+
 # tokens occurred earlier in its own tokens (``--heads-lookup``). ``fused0``: a recurrent head's chain in torch's
 # kernels rather than its Triton ones (executor_svc/speculative/heads_triton.py), what those save.
-# ``heads1``: draft with heads set 1 (sets 1, 2, ...: --more-train-draft-args' trained ones, then --more-heads' folders).
+# ``heads1``: draft with heads set 1 (sets 1, 2, ...: those --more-train-draft-args trains, then --more-heads').
 # ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
 # ``ms0``: chained steps of every round allowed, however long (--max-chained-step-ms for this mode alone).
 # ``vocab0``: the heads draft from every token; ``vocab8192`` from the 8,192 their training answers used most
