@@ -335,7 +335,7 @@ def run_generate(args) -> dict:
     engine_dir = Path(args.engine_dir) if args.engine_dir else build_cached(checkpoint, build, default_cache_dir(), args.device, args.load_format)
     if args.more_train_draft_args and not args.train_heads:
         raise SystemExit("--more-train-draft-args trains heads beside --train-heads' own: pass --train-heads too")
-    from executor_svc.speculative.draft_heads import HEADS_META_NAME, heads_meta_path
+    from executor_svc.speculative.draft_heads import HEADS_META_NAME, heads_meta_path, read_heads_meta
 
     for folder in args.more_heads:  # before any training: a folder without heads fails at once
         if not heads_meta_path(folder).is_file():
@@ -378,8 +378,6 @@ def run_generate(args) -> dict:
                    "kernel_timings_us": {kind: choice.timings_us for kind, choice in base.manifest.plugins.items()}},
         "modes": {},
     }
-    from executor_svc.speculative.draft_heads import read_heads_meta
-
     for i, folder in heads_dirs.items():  # every set of heads, trained here or given (the engine's own too)
         if heads_meta_path(folder).is_file():
             key = "draft_heads" + (str(i) if i else "")
