@@ -125,12 +125,13 @@ CHAT = [
 # ``heads1``: draft with heads set 1 (sets 1, 2, ...: those --more-train-draft-args trains, then --more-heads').
 # ``adaptive0``: always the most drafts (--fixed-draft-length for this mode alone), against the load-aware policy.
 # ``ms0``: chained steps of every round allowed, however long (--max-chained-step-ms for this mode alone).
+# ``refresh0``: the load-aware policy never runs a longer K again to re-measure it (scheduler_svc/speculation.py).
 # ``vocab0``: the heads draft from every token; ``vocab8192`` from the 8,192 their training answers used most
 # (default: what the heads were trained with, --train-draft-args '--draft-vocab N').
 _MODE_SETTINGS = {"k": "num_draft_tokens", "min": "ngram_min", "max": "ngram_max", "r": "speculative_rounds",
                   "stop": "end_rounds_early", "lookup": "heads_lookup", "fused": "fused_head_kernels",
                   "heads": "heads_set", "adaptive": "adaptive_draft_length", "vocab": "draft_vocab",
-                  "ms": "max_chained_step_ms"}
+                  "ms": "max_chained_step_ms", "refresh": "policy_refresh"}
 
 
 def _mode_settings(name: str, args) -> tuple[str, argparse.Namespace]:
@@ -198,7 +199,8 @@ def _trace_policy(policy) -> list[dict]:
 
 async def _run(async_engine, requests, desc: str) -> dict:
     """Submit ``requests`` (all at once); output tokens/s and speculation counts."""
-    choices_before = dict(async_engine.scheduler.draft_policy.choices)
+    policy = async_engine.scheduler.draft_policy
+    choices_before, refreshes_before = dict(policy.choices), policy.refreshes
     now = async_engine.stats().drafts
     stats_before = dataclasses.replace(now, by_position=list(now.by_position), accepted_by_position=list(now.accepted_by_position))
     steps_before, serial_before = async_engine.num_steps, async_engine.num_serial_steps
@@ -237,8 +239,9 @@ async def _run(async_engine, requests, desc: str) -> dict:
         "serial_steps": async_engine.num_serial_steps - serial_before,  # planned after the previous result
         "draft_tokens": proposed, "accepted_draft_tokens": accepted,
         "draft_length_choices": {
-            k: n - choices_before.get(k, 0) for k, n in async_engine.scheduler.draft_policy.choices.items() if n > choices_before.get(k, 0)
+            k: n - choices_before.get(k, 0) for k, n in policy.choices.items() if n > choices_before.get(k, 0)
         },
+        "draft_length_refreshes": policy.refreshes - refreshes_before,
         "drafts_by_position": [b - b0 for b, b0 in zip(drafts.by_position, stats_before.by_position)],
         "accepted_by_position": [a - a0 for a, a0 in zip(drafts.accepted_by_position, stats_before.accepted_by_position)],
     }
@@ -410,6 +413,7 @@ def run_generate(args) -> dict:
         executor = InProcessExecutor(engine)
         async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
+        async_engine.scheduler.draft_policy.refresh = bool(getattr(settings, "policy_refresh", 1))
         settle_garbage_collector()  # as the LLM API and the services do once loaded
         trace = _trace_policy(async_engine.scheduler.draft_policy) if args.trace_policy else None
         out: dict = {}
@@ -456,6 +460,7 @@ def run_generate(args) -> dict:
                 for k, n in r["draft_length_choices"].items():
                     choices[k] = choices.get(k, 0) + n
             out["batch1"]["draft_length_choices"] = choices
+            out["batch1"]["draft_length_refreshes"] = sum(r["draft_length_refreshes"] for r in runs)
             if trace is not None:
                 out["batch1"]["policy_trace"] = trace[:TRACE_LIMIT]
             policy = async_engine.scheduler.draft_policy

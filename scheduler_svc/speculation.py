@@ -94,6 +94,20 @@ where no lookup matches, the slots past the heads' four are padding, which a
 longer K verifies for nothing. The first draft's rate and one continuation
 for the rest (what the policy used before) cannot tell those apart, and a
 padded slot never counted as a rejection there.
+
+What the policy knows of a K it does not choose goes stale: a size's round
+cost may rest on short steps (trials, a request's last step) and a request's
+acceptance past the chosen K is never observed again. On an H100 at batch 1
+it priced rounds of 9 tokens 10% above rounds of 5 from such steps, chose 3-5
+drafts in 68 of 80 steps, and trailed always verifying 8 by 3-7%, where long
+steps cost 0.88-0.93 ms a round from 4 to 9 tokens
+(``h100_spec_heads_chat_1848_e5_policy_trace_smollm2.json``). So every
+``REFRESH_EVERY`` steps at most, the longest K whose expected goodput is
+within ``REFRESH_MARGIN`` of the best and that no step chose in the last
+``REFRESH_EVERY`` runs once, chaining every round: its cost and the
+acceptance of its later drafts are measured again, and if the guess was
+wrong the next steps choose it on their own. A refresh costs at most a tenth
+of one step in sixteen, and none while speculation is off.
 """
 
 from __future__ import annotations
@@ -120,6 +134,8 @@ PROBE_EVERY = 32  # steps between probes while speculation is off ...
 MAX_PROBE_EVERY = 512  # ... doubling after each probe that did not turn it back on, up to this
 PROBE_STEPS = 3  # a probe: ask for drafts, get them, verify them
 DRY_STEPS = 8  # steps in a row that asked for drafts and got none for any request: speculation turns off
+REFRESH_EVERY = 16  # steps: a longer K priced near the best and not run for this long runs once ...
+REFRESH_MARGIN = 0.10  # ... when its expected goodput is within this share of the best's
 
 
 @dataclass(slots=True)
@@ -410,6 +426,10 @@ class DraftLengthPolicy:
         self.choices: Counter[int] = Counter()  # K chosen, over steps that had drafts to verify
         self._plain_sizes: set[int] = set()  # step-size buckets where a step without drafts was measured
         self._plain_tried: set[int] = set()  # ... and where one was run to be measured
+        self.refresh = True  # re-measure a longer K priced near the best now and then (see the module docstring)
+        self._chosen_at: dict[int, int] = {}  # K -> the last step (as counted by choose) that chose it, not a trial
+        self._next_refresh = REFRESH_EVERY  # the first step where a refresh may run
+        self.refreshes = 0  # steps that ran a K to measure it again
 
     def choose(
         self, candidates: list[Candidate], other_tokens: int, draining: bool = False, chainable: bool = False,
@@ -449,6 +469,7 @@ class DraftLengthPolicy:
             self.choices[0] += 1
             return 0
         best_k, best, best_tokens = 0, -1.0, base
+        rated: list[tuple[float, int]] = []  # (goodput, step tokens) at each K priced
         estimates, debug = [], log.isEnabledFor(logging.DEBUG)
         # Each candidate's expected accepted drafts at every K, computed once and summed by K: pricing every K
         # from scratch cost O(candidates x K^2) a step (5.8 ms for 256 candidates and K = 15 on a CPU core).
@@ -471,12 +492,17 @@ class DraftLengthPolicy:
             else:
                 tokens = len(candidates) + sum(by_k[k])
             goodput = tokens / max(seconds, 1e-9)
+            rated.append((goodput, base + drafts))
             if debug:
                 estimates.append(f"K={k}: {goodput:.0f} tok/s")
             if goodput > best * 1.01:  # a longer chain must pay for itself clearly
                 best_k, best, best_tokens = k, goodput, base + drafts
+        if best_k > 0 and self._chainable and not self.trial:
+            best_k, best_tokens = self._refreshed(best_k, best_tokens, best, rated)
         if best_k > 0 and self._chainable:  # a chain of a size past every measured one is priced by a guess
             self.trial = self.trial or not self.chained_costs.covers(best_tokens)
+        if best_k > 0 and not self.trial:
+            self._chosen_at[best_k] = self._steps
         self._schedule_probes(best_k)
         if best_k == 0 and self._probing():
             room = self._room(base)
@@ -505,6 +531,22 @@ class DraftLengthPolicy:
         self._last_tokens = num_tokens
         if executor_seconds > 0:
             self.executor_costs.observe(num_tokens, executor_seconds)
+
+    def _refreshed(self, best_k: int, best_tokens: int, best: float, rated: list[tuple[float, int]]) -> tuple[int, int]:
+        """(K, step tokens) for this step: the best, or a longer K to measure again (see the module docstring)."""
+        if not self.refresh or self._steps < self._next_refresh:
+            return best_k, best_tokens
+        stale_before = self._steps - REFRESH_EVERY
+        last_deeper = -1  # the last step that chose a K at least as long as k
+        for k in range(len(rated) - 1, best_k, -1):
+            last_deeper = max(last_deeper, self._chosen_at.get(k, -1))
+            goodput, tokens = rated[k]
+            adds_drafts = tokens > rated[k - 1][1]  # else no candidate has a k-th draft: K = k - 1 is the same step
+            if adds_drafts and last_deeper < stale_before and goodput >= best * (1.0 - REFRESH_MARGIN):
+                self._next_refresh = self._steps + REFRESH_EVERY
+                self.refreshes += 1
+                return k, tokens
+        return best_k, best_tokens
 
     def _cost(self, k: int, num_tokens: int) -> float | None:
         if k > 0 and self._chainable:

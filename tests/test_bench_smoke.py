@@ -341,13 +341,15 @@ def test_speculative_generate_serves_several_trained_head_sets_in_one_run(tmp_pa
     # --more-heads serves heads trained before, from their folder (here the engine's own, trained above), as the
     # set after the trained ones; without --train-heads that is set 1.
     given = tmp_path / "given.json"
-    reuse = [*cmd[:cmd.index("--modes")], "--modes", "none,draft_heads:heads1", "--more-heads", str(folder / "engine"),
-             "--output", str(given)]
+    # refresh0: the policy never runs a longer draft length again to re-measure it.
+    reuse = [*cmd[:cmd.index("--modes")], "--modes", "none,draft_heads:heads1,draft_heads:heads1:refresh0",
+             "--more-heads", str(folder / "engine"), "--output", str(given)]
     proc = subprocess.run(reuse, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
     result = json.loads(given.read_text())
     assert result["draft_heads1"]["training"]["num_texts"] == 2 and result["draft_heads1"]["train_seconds"] is None
     assert result["modes"]["draft_heads:heads1"]["batch1"]["same_tokens_as_none"]
+    assert result["modes"]["draft_heads:heads1:refresh0"]["batch1"]["draft_length_refreshes"] == 0
     missing = subprocess.run([*reuse[:-4], "--more-heads", str(tmp_path), "--output", str(tmp_path / "bad.json")],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "no draft_heads.json there" in missing.stderr

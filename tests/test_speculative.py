@@ -545,6 +545,42 @@ def test_a_plain_step_is_measured_before_speculation_is_judged_free():
     assert chained.choose([Candidate("a", 8, 0.8)], 0, draining=True, chainable=True) == 8 and not chained.trial
 
 
+def test_a_longer_draft_length_priced_near_the_best_is_measured_again():
+    """A size priced from short, slow steps is never chosen, so never measured again, unless the policy runs it
+    now and then: every REFRESH_EVERY steps at most, the longest K within REFRESH_MARGIN of the best runs once
+    over every round; measured as cheap as the shorter rounds, it is chosen from then on."""
+    from scheduler_svc.speculation import REFRESH_EVERY
+
+    def measured() -> DraftLengthPolicy:
+        policy = DraftLengthPolicy(max_draft_tokens=8, max_rounds=32)
+        policy.observe(1, 0.002, overlapped=False, executor_seconds=0.0019)  # a plain step
+        # Rounds of 5 tokens cost 0.9 ms in steps of 32 rounds or 2, each with 1 ms of host work; rounds of 9
+        # were seen only in trials and one step cut short, at 1.1 and 0.99 ms.
+        for tokens, rounds, seconds in [(5, 32, 0.0009)] * 4 + [(5, 2, 0.0009)] * 2 + [(9, 2, 0.0011)] * 3 + [
+                (9, 14, 0.00099)]:
+            policy.observe(tokens, (0.001 + rounds * seconds) / rounds, overlapped=False, executor_seconds=0.0,
+                           plain=False, chained=True, rounds=rounds)
+        return policy
+
+    request = [Candidate("a", 8, 0.5, position_rates=[0.5] * 4 + [0.6] * 4)]
+    frozen = measured()
+    frozen.refresh = False
+    assert {frozen.choose(request, 0, draining=True, chainable=True) for _ in range(3 * REFRESH_EVERY)} == {4}
+    policy = measured()
+    chosen = [policy.choose(request, 0, draining=True, chainable=True) for _ in range(3 * REFRESH_EVERY)]
+    refreshed = [step for step, k in enumerate(chosen) if k == 8]
+    assert set(chosen) == {4, 8} and refreshed[0] == REFRESH_EVERY - 1 and policy.refreshes == len(refreshed)
+    assert all(b - a > REFRESH_EVERY for a, b in zip(refreshed, refreshed[1:])) and not policy.trial
+    # The refresh measures rounds of 9 tokens in a whole step, as cheap as the rest: the chain grows.
+    policy = measured()
+    chosen = []
+    for _ in range(2 * REFRESH_EVERY):
+        chosen.append(policy.choose(request, 0, draining=True, chainable=True))
+        policy.observe(1 + chosen[-1], (0.001 + 32 * 0.0009) / 32, overlapped=False, executor_seconds=0.0,
+                       plain=False, chained=True, rounds=32)
+    assert set(chosen[:REFRESH_EVERY - 1]) == {4} and min(chosen[REFRESH_EVERY - 1:]) >= 6
+
+
 def test_a_slow_first_step_does_not_rule_its_size_out():
     """A size counts once it has a few measurements; until then the measured sizes around it say what it costs."""
     from scheduler_svc.speculation import StepCosts
