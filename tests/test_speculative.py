@@ -632,6 +632,7 @@ def test_probes_back_off_while_speculation_does_not_pay():
     gaps = [b - a for a, b in zip(probe_starts, probe_starts[1:])]
     assert gaps[0] >= 2 * PROBE_EVERY and gaps == sorted(gaps) and max(gaps) <= MAX_PROBE_EVERY + PROBE_STEPS
     assert len(probe_starts) < 2500 // PROBE_EVERY // 3  # far fewer serial probe steps than a fixed period
+    assert policy.refreshes == 0  # no longer K is re-measured while speculation is off
     # Speculation paying again (memory-bound costs, high acceptance): probes come back to the short period.
     for tokens in (8, 16, 32, 64):
         for _ in range(8):
