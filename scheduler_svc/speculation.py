@@ -103,8 +103,8 @@ drafts in 68 of 80 steps, and trailed always verifying 8 by 3-7%, where long
 steps cost 0.88-0.93 ms a round from 4 to 9 tokens
 (``h100_spec_heads_chat_1848_e5_policy_trace_smollm2.json``). So every
 ``REFRESH_EVERY`` steps at most, the longest K whose expected goodput is
-within ``REFRESH_MARGIN`` of the best and that no step chose in the last
-``REFRESH_EVERY`` runs once, chaining every round: its cost and the
+within ``REFRESH_MARGIN`` of the best, above K = 0's, and that no step chose
+in the last ``REFRESH_EVERY`` runs once, chaining every round: its cost and the
 acceptance of its later drafts are measured again, and if the guess was
 wrong the next steps choose it on their own. A refresh costs at most a tenth
 of one step in sixteen, and none while speculation is off.
@@ -537,12 +537,14 @@ class DraftLengthPolicy:
         if not self.refresh or self._steps < self._next_refresh:
             return best_k, best_tokens
         stale_before = self._steps - REFRESH_EVERY
+        # Within the margin of the best, and never priced below no speculation: a refresh is still a K that pays.
+        floor = max(best * (1.0 - REFRESH_MARGIN), rated[0][0])
         last_deeper = -1  # the last step that chose a K at least as long as k
         for k in range(len(rated) - 1, best_k, -1):
             last_deeper = max(last_deeper, self._chosen_at.get(k, -1))
             goodput, tokens = rated[k]
             adds_drafts = tokens > rated[k - 1][1]  # else no candidate has a k-th draft: K = k - 1 is the same step
-            if adds_drafts and last_deeper < stale_before and goodput >= best * (1.0 - REFRESH_MARGIN):
+            if adds_drafts and last_deeper < stale_before and goodput >= floor:
                 self._next_refresh = self._steps + REFRESH_EVERY
                 self.refreshes += 1
                 return k, tokens
