@@ -413,9 +413,10 @@ def run_generate(args) -> dict:
         executor = InProcessExecutor(engine)
         async_engine = AsyncEngine(executor, tokenizer, limits)
         await async_engine.start()
-        async_engine.scheduler.draft_policy.refresh = bool(getattr(settings, "policy_refresh", 1))
+        policy = async_engine.scheduler.draft_policy
+        policy.refresh = bool(getattr(settings, "policy_refresh", 1))
         settle_garbage_collector()  # as the LLM API and the services do once loaded
-        trace = _trace_policy(async_engine.scheduler.draft_policy) if args.trace_policy else None
+        trace = _trace_policy(policy) if args.trace_policy else None
         out: dict = {}
         try:
             warm = [GenerationRequest(token_ids=texts[0], max_tokens=16, temperature=0.0)]
@@ -463,7 +464,6 @@ def run_generate(args) -> dict:
             out["batch1"]["draft_length_refreshes"] = sum(r["draft_length_refreshes"] for r in runs)
             if trace is not None:
                 out["batch1"]["policy_trace"] = trace[:TRACE_LIMIT]
-            policy = async_engine.scheduler.draft_policy
             out["batch1"]["step_cost_points"] = _cost_points(policy)
             log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
             if args.arrival_probes:
@@ -498,7 +498,6 @@ def run_generate(args) -> dict:
                                            for k, v in host_after.items()}
                 run["host_cpu_ms_per_step"] = {k: (v - cpu_before[k]) * 1e3 / max(run["steps"], 1)
                                                for k, v in cpu_after.items()}
-                policy = async_engine.scheduler.draft_policy
                 run["step_cost_points"] = _cost_points(policy)
                 run["acceptance_by_position"] = _rates(run.pop("drafts_by_position"), run.pop("accepted_by_position"))
                 out[f"batch{batch}"] = run
