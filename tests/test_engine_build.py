@@ -104,6 +104,34 @@ def test_auto_picks_the_fastest_runnable_candidate():
     assert choice.name == "torch" and "slow" in choice.timings_us and "triton" not in choice.timings_us
 
 
+def test_auto_choice_keeps_each_candidates_fastest_round(monkeypatch):
+    """One slow timing (a GPU clocked down while the host compiled the kernel) no longer decides the choice."""
+    import executor_svc.kernel_selection as selection
+
+    def fast(*args):
+        return None
+
+    def steady(*args):
+        return None
+
+    rounds = {fast: iter([10.8, 1.5, 1.6]), steady: iter([5.4, 5.3, 5.5])}
+    calls = []
+
+    def timed(fn, args, device):
+        calls.append(fn)
+        return next(rounds[fn])
+
+    monkeypatch.setattr(selection, "time_kernel", timed)
+    candidates = [KernelSpec("activation", "torch", steady), KernelSpec("activation", "triton", fast)]
+    choice = choose("activation", "auto", candidates, torch.device("cpu"), torch.float32, lambda: (), False)
+    assert choice.name == "triton" and choice.timings_us == {"torch": 5.3, "triton": 1.5}
+    assert calls == [steady, fast] * selection.TIMING_ROUNDS  # in turn, round after round
+    calls.clear()
+    rounds[steady] = iter([5.4])
+    alone = choose("activation", "auto", candidates[:1], torch.device("cpu"), torch.float32, lambda: (), False)
+    assert alone.name == "torch" and calls == [steady]  # nothing to choose between: timed once
+
+
 def test_cli_build_errors_and_inspect(model_dir, engine_dir, tmp_path):
     run = lambda *a: subprocess.run([sys.executable, "-m", "inflight", *a], capture_output=True, text=True, timeout=300)  # noqa: E731
     bad = run("build", "--model", str(model_dir), "--output", str(tmp_path / "e"), "--device", "cpu", "--plugin", "attention=nope")
