@@ -26,7 +26,7 @@ from executor_svc.model.config import ModelConfig
 from executor_svc.quantization.kv_cache import kv_cache_dtype
 from plugins.attention_metadata import AttentionMetadata
 from plugins.registry import KernelSpec, list_kernels
-from plugins.timing import graph_time_us
+from plugins.timing import TIMING_ROUNDS, graph_time_us
 
 log = logging.getLogger("inflight.build")
 
@@ -117,11 +117,6 @@ def _attention_inputs(
     return lambda: (q, k_cache, v_cache, meta, dim**-0.5)
 
 
-# Rounds of timing every candidate of a kind when choosing among several. One H100 build timed the Triton
-# SwiGLU at 10.8 us against its usual 1.5 (the torch one at 5.4) in a single pass, and served torch's.
-TIMING_ROUNDS = 3
-
-
 def time_kernel(fn: Callable, args: BenchArgs, device: torch.device, repeats: int = 7) -> float:
     """Time of one call in microseconds.
 
@@ -195,9 +190,8 @@ def choose(
         raise PluginUnavailableError(f"no {kind} plugin can run on {device.type} with {dtype}")
     timings, refused = {}, []
     timed = list(runnable)
-    # The candidates are timed in turn, round after round, and each keeps its fastest round: a slowdown that
-    # lasts a moment (a GPU clocked down while the host compiled the kernel, another process) then costs a
-    # candidate one round, not the choice. One kernel alone has nothing to be chosen against: one round.
+    # In turn, round after round, each keeping its fastest (plugins/timing.py says why); one kernel alone has
+    # nothing to be chosen against: one round.
     for _ in range(TIMING_ROUNDS if len(timed) > 1 else 1):
         for candidate in list(timed):
             try:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from plugins.timing import graph_time_us
+from plugins.timing import TIMING_ROUNDS, graph_time_us
 
 log = logging.getLogger("inflight.build")
 
@@ -63,8 +63,9 @@ def tune(
     make_weight: Callable[[int, int, torch.Generator], tuple], make_x: Callable[[int, torch.Generator], torch.Tensor],
     candidates: dict[str, Callable[..., torch.Tensor]], rows: Sequence[int] = (1,),
 ) -> dict[str, dict]:
-    """Time every candidate at each of ``rows`` rows on each (N, K) shape; install the fastest per shape and
-    row count and return ``shape_key`` -> {"tactic": the fastest, "timings_us": {name: microseconds}}.
+    """Time every candidate at each of ``rows`` rows on each (N, K) shape (``TIMING_ROUNDS`` rounds, in turn,
+    each keeping its fastest); install the fastest per shape and row count and return ``shape_key`` ->
+    {"tactic": the fastest, "timings_us": {name: microseconds}}.
 
     ``make_weight(n, k, generator)`` gives the weight's arguments as the candidates take them after x;
     ``make_x(k, generator)`` one row of x; ``candidates[name](x, *weight)`` runs one. A candidate that
@@ -79,12 +80,19 @@ def tune(
         for count in rows:
             x = torch.cat([make_x(k, gen) for _ in range(count)])
             timings, failed = {}, {}
-            for name, run in candidates.items():
-                try:
-                    timings[name] = graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
-                except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot compile (e.g. too much shared memory)
-                    failed[name] = f"{type(exc).__name__}: {exc}"[:300]
-                    log.warning("%s GEMV tactic %s failed on %s: %s", fmt, name, shape_key(n, k, count), failed[name])
+            for _ in range(TIMING_ROUNDS if len(candidates) > 1 else 1):  # in turn, each keeping its fastest round
+                for name, run in candidates.items():
+                    if name in failed:
+                        continue
+                    try:
+                        took = graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
+                    except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot compile (too much shared memory)
+                        failed[name] = f"{type(exc).__name__}: {exc}"[:300]
+                        timings.pop(name, None)  # a tile that fails in a later round is not chosen either
+                        log.warning("%s GEMV tactic %s failed on %s: %s", fmt, name, shape_key(n, k, count),
+                                    failed[name])
+                        continue
+                    timings[name] = min(took, timings.get(name, took))
             if not timings:
                 raise RuntimeError(f"no {fmt} GEMV candidate ran on {shape_key(n, k, count)}: {failed}")
             best = min(timings, key=timings.__getitem__)

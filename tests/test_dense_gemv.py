@@ -203,6 +203,27 @@ def test_tactics_are_timed_per_row_class(fresh_tactics):
         _check(gemv.linear_gemv(x, w), x, w)
 
 
+def test_tuning_keeps_each_tactics_fastest_round(fresh_tactics, monkeypatch):
+    """Tiles are timed in turn, round after round, and each keeps its fastest: one slow timing does not decide."""
+    import plugins.gemv_tactics as tactics
+    from plugins.timing import TIMING_ROUNDS
+
+    rounds = {"steady": iter([2.0, 2.1, 2.2]), "usually_fast": iter([9.0, 1.0, 1.1])}
+    order = []
+
+    def fake_time(calls, device):
+        name = calls[0]()
+        order.append(name)
+        return next(rounds[name])
+
+    monkeypatch.setattr(tactics, "graph_time_us", fake_time)
+    candidates = {"steady": lambda x, w: "steady", "usually_fast": lambda x, w: "usually_fast"}
+    report = tactics.tune("dense", [(8, 16)], torch.device("cpu"), 4, lambda n, k, gen: (torch.ones(n, k),),
+                          lambda k, gen: torch.ones(1, k), candidates)
+    assert report["8x16"] == {"tactic": "usually_fast", "timings_us": {"steady": 2.0, "usually_fast": 1.0}}
+    assert order == ["steady", "usually_fast"] * TIMING_ROUNDS
+
+
 def test_a_tactic_that_fails_is_skipped_at_tuning(fresh_tactics, monkeypatch):
     """A tile the GPU cannot compile costs that tile, not the build: the others are timed and one is chosen."""
     import plugins.gemv_tactics as tactics
