@@ -218,8 +218,9 @@ def test_tuning_keeps_each_tactics_fastest_round(fresh_tactics, monkeypatch):
 
     monkeypatch.setattr(tactics, "graph_time_us", fake_time)
     candidates = {"steady": lambda x, w: "steady", "usually_fast": lambda x, w: "usually_fast"}
-    report = tactics.tune("dense", [(8, 16)], torch.device("cpu"), 4, lambda n, k, gen: (torch.ones(n, k),),
-                          lambda k, gen: torch.ones(1, k), candidates)
+    # As many bytes a weight as the tuning reads: one copy, not the 2^19 copies of an 8x16 weight it would make.
+    report = tactics.tune("dense", [(8, 16)], torch.device("cpu"), tactics.TUNE_BYTES,
+                          lambda n, k, gen: (torch.ones(n, k),), lambda k, gen: torch.ones(1, k), candidates)
     assert report["8x16"] == {"tactic": "usually_fast", "timings_us": {"steady": 2.0, "usually_fast": 1.0}}
     assert order == ["steady", "usually_fast"] * TIMING_ROUNDS
 
@@ -238,10 +239,11 @@ def test_a_tactic_that_fails_is_skipped_at_tuning(fresh_tactics, monkeypatch):
         raise RuntimeError("out of resources: shared memory")
 
     x_of = lambda k, gen: torch.ones(1, k)  # noqa: E731
-    report = tactics.tune("dense", [(8, 16)], torch.device("cpu"), 4, lambda n, k, gen: (torch.ones(n, k),), x_of,
-                          {"broken": broken, gemv.CUBLAS: lambda x, w: F.linear(x, w)}, rows=(1, 2))
+    one_copy = tactics.TUNE_BYTES  # bytes a weight: the tuning makes one copy of it (a fake timing reads one)
+    report = tactics.tune("dense", [(8, 16)], torch.device("cpu"), one_copy, lambda n, k, gen: (torch.ones(n, k),),
+                          x_of, {"broken": broken, gemv.CUBLAS: lambda x, w: F.linear(x, w)}, rows=(1, 2))
     for key in ("8x16", "8x16@2"):
         assert report[key]["tactic"] == gemv.CUBLAS and "shared memory" in report[key]["failed"]["broken"]
     with pytest.raises(RuntimeError, match="no dense GEMV candidate ran"):
-        tactics.tune("dense", [(8, 16)], torch.device("cpu"), 4, lambda n, k, gen: (torch.ones(n, k),), x_of,
+        tactics.tune("dense", [(8, 16)], torch.device("cpu"), one_copy, lambda n, k, gen: (torch.ones(n, k),), x_of,
                      {"broken": broken})
