@@ -202,6 +202,7 @@ def choose(
                 log.info("%s plugin %r cannot serve this model: %s", kind, candidate.name, exc)
                 refused.append(f"{candidate.name}: {exc}")
                 timed.remove(candidate)
+                timings.pop(candidate.name, None)  # refused in a later round: not chosen either
                 continue
             timings[candidate.name] = min(took, timings.get(candidate.name, took))
     best = min(timings, key=timings.__getitem__)
