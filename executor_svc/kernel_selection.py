@@ -26,7 +26,7 @@ from executor_svc.model.config import ModelConfig
 from executor_svc.quantization.kv_cache import kv_cache_dtype
 from plugins.attention_metadata import AttentionMetadata
 from plugins.registry import KernelSpec, list_kernels
-from plugins.timing import TIMING_ROUNDS, graph_time_us
+from plugins.timing import fastest_in_rounds, graph_time_us
 
 log = logging.getLogger("inflight.build")
 
@@ -188,23 +188,17 @@ def choose(
         )
     if not runnable:
         raise PluginUnavailableError(f"no {kind} plugin can run on {device.type} with {dtype}")
-    timings, refused = {}, []
-    timed = list(runnable)
-    # In turn, round after round, each keeping its fastest (plugins/timing.py says why); one kernel alone has
-    # nothing to be chosen against: one round.
-    for _ in range(TIMING_ROUNDS if len(timed) > 1 else 1):
-        for candidate in list(timed):
-            try:
-                took = time_kernel(candidate.fn, args, device)
-            except ValueError as exc:  # the kernel refuses this model's shapes (e.g. a head_dim it cannot hold)
-                if candidate.name == REFERENCE:
-                    raise
-                log.info("%s plugin %r cannot serve this model: %s", kind, candidate.name, exc)
-                refused.append(f"{candidate.name}: {exc}")
-                timed.remove(candidate)
-                timings.pop(candidate.name, None)  # refused in a later round: not chosen either
-                continue
-            timings[candidate.name] = min(took, timings.get(candidate.name, took))
+    specs = {candidate.name: candidate for candidate in runnable}
+    # A kernel that refuses this model's shapes (e.g. a head_dim it cannot hold) raises ValueError; the
+    # reference must serve every model.
+    timings, refusals = fastest_in_rounds(
+        list(specs), lambda name: time_kernel(specs[name].fn, args, device),
+        skips=lambda name, exc: isinstance(exc, ValueError) and name != REFERENCE,
+    )
+    refused = []
+    for name, exc in refusals.items():
+        log.info("%s plugin %r cannot serve this model: %s", kind, name, exc)
+        refused.append(f"{name}: {exc}")
     best = min(timings, key=timings.__getitem__)
     return PluginChoice(name=best, requested="auto", timings_us=timings, note="; ".join(refused))
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from plugins.timing import TIMING_ROUNDS, graph_time_us
+from plugins.timing import fastest_in_rounds, graph_time_us
 
 log = logging.getLogger("inflight.build")
 
@@ -63,7 +63,7 @@ def tune(
     make_weight: Callable[[int, int, torch.Generator], tuple], make_x: Callable[[int, torch.Generator], torch.Tensor],
     candidates: dict[str, Callable[..., torch.Tensor]], rows: Sequence[int] = (1,),
 ) -> dict[str, dict]:
-    """Time every candidate at each of ``rows`` rows on each (N, K) shape (``TIMING_ROUNDS`` rounds, in turn,
+    """Time every candidate at each of ``rows`` rows on each (N, K) shape (``fastest_in_rounds``: in turn,
     each keeping its fastest); install the fastest per shape and row count and return ``shape_key`` ->
     {"tactic": the fastest, "timings_us": {name: microseconds}}.
 
@@ -79,20 +79,15 @@ def tune(
         reps = max(1, 8 // copies)  # at least 8 calls a graph
         for count in rows:
             x = torch.cat([make_x(k, gen) for _ in range(count)])
-            timings, failed = {}, {}
-            for _ in range(TIMING_ROUNDS if len(candidates) > 1 else 1):  # in turn, each keeping its fastest round
-                for name, run in candidates.items():
-                    if name in failed:
-                        continue
-                    try:
-                        took = graph_time_us([lambda w=w, run=run: run(x, *w) for w in weights] * reps, device)
-                    except Exception as exc:  # noqa: BLE001 - a tile this GPU cannot compile (too much shared memory)
-                        failed[name] = f"{type(exc).__name__}: {exc}"[:300]
-                        timings.pop(name, None)  # a tile that fails in a later round is not chosen either
-                        log.warning("%s GEMV tactic %s failed on %s: %s", fmt, name, shape_key(n, k, count),
-                                    failed[name])
-                        continue
-                    timings[name] = min(took, timings.get(name, took))
+            timings, errors = fastest_in_rounds(  # any error: a tile this GPU cannot compile (too much shared memory)
+                list(candidates),
+                lambda name, copies=weights: graph_time_us(
+                    [lambda w=w, run=candidates[name]: run(x, *w) for w in copies] * reps, device),
+                skips=lambda name, exc: True,
+            )
+            failed = {name: f"{type(exc).__name__}: {exc}"[:300] for name, exc in errors.items()}
+            for name, why in failed.items():
+                log.warning("%s GEMV tactic %s failed on %s: %s", fmt, name, shape_key(n, k, count), why)
             if not timings:
                 raise RuntimeError(f"no {fmt} GEMV candidate ran on {shape_key(n, k, count)}: {failed}")
             best = min(timings, key=timings.__getitem__)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -12,6 +12,30 @@ import torch
 # another process) costs a candidate one round, not the choice. One H100 build timed the Triton SwiGLU at
 # 10.8 us against its usual 1.5 (torch's at 5.4) in a single pass, and served torch's.
 TIMING_ROUNDS = 3
+
+
+def fastest_in_rounds(
+    names: Sequence[str], time_one: Callable[[str], float], skips: Callable[[str, Exception], bool],
+) -> tuple[dict[str, float], dict[str, Exception]]:
+    """Each of ``names`` timed by ``time_one`` in turn, ``TIMING_ROUNDS`` rounds (one when there is nothing to
+    choose between), keeping its fastest: (name -> time, name -> the exception that dropped it). A timing that
+    raises drops its name, earlier rounds included, where ``skips(name, exc)`` says so, and raises otherwise."""
+    timings: dict[str, float] = {}
+    failed: dict[str, Exception] = {}
+    for _ in range(TIMING_ROUNDS if len(names) > 1 else 1):
+        for name in names:
+            if name in failed:
+                continue
+            try:
+                took = time_one(name)
+            except Exception as exc:  # noqa: BLE001 - the caller's ``skips`` decides which ones end the choice
+                if not skips(name, exc):
+                    raise
+                failed[name] = exc
+                timings.pop(name, None)  # dropped in a later round: not chosen either
+                continue
+            timings[name] = min(took, timings.get(name, took))
+    return timings, failed
 
 
 def graph_time_us(calls: list[Callable[[], object]], device: torch.device, repeats: int = 10, warmup: int = 2) -> float:

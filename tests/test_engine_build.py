@@ -107,6 +107,7 @@ def test_auto_picks_the_fastest_runnable_candidate():
 def test_auto_choice_keeps_each_candidates_fastest_round(monkeypatch):
     """One slow timing (a GPU clocked down while the host compiled the kernel) no longer decides the choice."""
     import executor_svc.kernel_selection as selection
+    from plugins.timing import TIMING_ROUNDS
 
     def fast(*args):
         return None
@@ -125,7 +126,7 @@ def test_auto_choice_keeps_each_candidates_fastest_round(monkeypatch):
     candidates = [KernelSpec("activation", "torch", steady), KernelSpec("activation", "triton", fast)]
     choice = choose("activation", "auto", candidates, torch.device("cpu"), torch.float32, lambda: (), False)
     assert choice.name == "triton" and choice.timings_us == {"torch": 5.3, "triton": 1.5}
-    assert calls == [steady, fast] * selection.TIMING_ROUNDS  # in turn, round after round
+    assert calls == [steady, fast] * TIMING_ROUNDS  # in turn, round after round
     calls.clear()
     rounds[steady] = iter([5.4])
     alone = choose("activation", "auto", candidates[:1], torch.device("cpu"), torch.float32, lambda: (), False)
