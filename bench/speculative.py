@@ -465,7 +465,9 @@ def run_generate(args) -> dict:
             if trace is not None:
                 out["batch1"]["policy_trace"] = trace[:TRACE_LIMIT]
             out["batch1"]["step_cost_points"] = _cost_points(policy)
-            log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, mean accepted length {(tokens - len(runs)) / max(steps, 1):.2f}")
+            per_round = out["batch1"]["mean_tokens_per_verification"]
+            log(f"{mode}: batch 1 {tokens / wall:.1f} tok/s, {(tokens - len(runs)) / max(steps, 1):.2f} tokens a step"
+                + (f" (its rounds {per_round:.2f} tokens each: the mean accepted length)" if per_round else ""))
             if args.arrival_probes:
                 out["arrivals"] = await _arrival_probes(async_engine, texts, args.arrival_probes, args.max_tokens,
                                                         f"{mode} arrivals")
