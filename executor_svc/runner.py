@@ -686,7 +686,12 @@ class ModelRunner:
         patch = self._device_tokens(from_device)
 
         forward_start = time.perf_counter()
-        want_hidden = self.proposer is not None and self.proposer.needs_hidden
+        # Hidden rows feed only next drafts: a step where no request is asked for any (the load-aware policy
+        # drafting nothing in a large batch) skips selecting and copying them.
+        want_hidden = (
+            self.proposer is not None and self.proposer.needs_hidden
+            and any(state.num_drafts_to_propose for _, state, _ in step.scheduled)
+        )
         logits, hidden = run_packed(
             self.engine.model, self.engine.kv_cache, self.engine.decode_graphs, packed, tokens,
             plain_tokens + chain_tokens, patch, want_hidden,

@@ -651,6 +651,39 @@ def test_serving_accepts_exactly_what_the_heads_draft_offline(engine, tokenizer,
     assert sum(served) > 0  # the trained head gets some drafts right: the comparison is not of zeros
 
 
+def test_steps_keep_hidden_rows_only_when_a_request_wants_drafts(engine, recurrent_trained, tmp_path):
+    """The heads draft from a step's hidden rows, so a step keeps a copy of them for the proposer; a step in
+    which no request is asked for drafts (the load-aware policy drafting nothing) keeps none, and still samples
+    what plain decoding samples. A request asked for drafts gets them from the same step's rows."""
+    import dataclasses
+
+    from executor_svc.runner import ModelRunner
+    from executor_svc.speculative.proposer import SpeculativeConfig, SpeculativeMode
+    from protos.plan import NewRequest, SamplingConfig, StepPlan
+
+    head, _ = recurrent_trained
+    save_draft_heads(head, tmp_path, {"test": True})
+    spec = dataclasses.replace(engine, engine_dir=tmp_path,
+                               speculative=SpeculativeConfig(SpeculativeMode.DRAFT_HEADS, head.num_heads))
+    greedy, prompt = SamplingConfig(temperature=0.0), list(range(100, 112))
+
+    def first_step(drafts: int):
+        runner = ModelRunner(spec)
+        step = runner.launch(StepPlan(1, new_requests=[
+            NewRequest("a", prompt, len(prompt), 0, len(prompt), [0], greedy, num_drafts_to_propose=drafts),
+        ]))
+        kept = step.hidden
+        result = runner.finish(step)
+        assert not result.request_errors
+        return kept, result.outputs[0]
+
+    kept, output = first_step(0)
+    assert kept is None and output.next_draft_token_ids == []
+    kept, drafted = first_step(head.num_heads)
+    assert kept is not None and kept.shape == (1, engine.model_config.hidden_size)
+    assert drafted.token_ids == output.token_ids and len(drafted.next_draft_token_ids) == head.num_heads
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_heads_train_through_the_lm_head_at_any_row_count(dtype):
     """Distillation backpropagates through the target's LM head. A GPU's 16-bit head of 17 or more rows writes
