@@ -13,7 +13,7 @@ Batch N submits N requests at once (EOS ignored, fixed length) and compares
 output tokens/s: the load-aware draft length must keep it from dropping.
 Plain decoding alone varies by tens of percent between back-to-back runs of a
 few hundred milliseconds, so ``--cycles C`` measures every mode C times in
-turn and reports each cycle's speedup and their median.
+turn (odd cycles in reverse order) and reports each cycle's speedup and their median.
 Mode ``ngram`` chains up to ``--speculative-rounds`` verification rounds per
 step on the device; ``ngram_one_round`` verifies one round per step, for
 comparison. ``draft_heads_tree`` is ``draft_heads`` verifying tree drafts of
@@ -512,18 +512,22 @@ def run_generate(args) -> dict:
 
     # Output tokens/s per cycle, mode and batch: every cycle measures every mode again, in turn, so
     # drift of the machine within a run reaches all modes alike (the first cycle's details are kept).
+    # Odd cycles take the modes in reverse order (A B, B A, ...): over an even number of cycles every mode
+    # runs as often first as last, so a steady drift (warming, a growing heap) favours none of them.
     by_cycle: dict[str, list[dict[str, float]]] = {mode: [] for mode in args.modes}
     prompts_by_cycle: dict[str, list[list[dict]]] = {mode: [] for mode in args.modes}  # batch 1's per_prompt
 
     async def main() -> None:
         for cycle in range(args.cycles):
-            for mode in args.modes:
+            for mode in (args.modes if cycle % 2 == 0 else args.modes[::-1]):
                 result = await measure(mode)
                 rates = {key: res["output_tokens_per_s"] for key, res in result.items() if key.startswith("batch")}
                 by_cycle[mode].append({**rates, "batch1_decode": result["batch1"]["decode_tokens_per_s"]})
                 prompts_by_cycle[mode].append(result["batch1"]["per_prompt"])
                 if cycle == 0:
                     report["modes"][mode] = result
+
+    report["mode_order"] = "each cycle in turn, odd cycles (counting from 0) in reverse"
 
     asyncio.run(main())
     plain = report["modes"].get("none")

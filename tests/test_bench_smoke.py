@@ -278,23 +278,26 @@ def test_speculative_generate_smoke_compares_mode_settings_in_one_run(tmp_path: 
     cmd = [
         sys.executable, str(REPO / "bench" / "speculative.py"), "generate", "--shape", "tiny-host", "--device", "cpu",
         "--num-prompts", "1", "--max-tokens", "6", "--batch-sizes", "1,2", "--batch-max-tokens", "6",
-        "--modes", "none,ngram,ngram:k6:min1:stop0", "--trace-policy", "--arrival-probes", "2", "--output", str(out),
+        "--modes", "none,ngram,ngram:k6:min1:stop0", "--trace-policy", "--arrival-probes", "2", "--cycles", "2",
+        "--output", str(out),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=190)
     assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert list(result["modes"]) == ["none", "ngram", "ngram:k6:min1:stop0"]
+    assert list(result["modes"]) == ["none", "ngram", "ngram:k6:min1:stop0"]  # the first cycle's order
+    assert "reverse" in result["mode_order"]
     assert result["engine"]["max_batch_size"] >= 7  # one request's rows at the largest draft length of any mode
     for name, mode in result["modes"].items():
         assert mode["batch1"]["output_tokens"] > 0 and "speedup" in mode["batch1"]
+        assert len(mode["batch1"]["cycles"]["speedup"]) == len(mode["batch2"]["cycles"]["speedup"]) == 2
         assert len(mode["batch1"]["by_prompt"]["speedup"]) == 1  # one prompt: its own rate against plain decoding's
         assert len(mode["arrivals"]["ttft_ms"]) == 2 and mode["arrivals"]["max_ttft_ms"] > 0
         if name != "none":  # the policy's trace, at batch 1 and in the batch-2 run: the step costs it learned from
             for run in (mode["batch1"], mode["batch2"]):
                 assert any("tokens" in event for event in run["policy_trace"])
 
-    bad = subprocess.run([*cmd[:-7], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
+    bad = subprocess.run([*cmd[:-9], "--modes", "ngram:q3", "--output", str(tmp_path / "bad.json")], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=190)
     assert bad.returncode != 0 and "unknown setting 'q3'" in bad.stderr
 
