@@ -448,9 +448,21 @@ class Scheduler:
         plan = StepPlan(step_id=step_id, finished_request_ids=list(self._dropped_ids))
         cached_requests = plan.cached_requests
         sampled: list[str] = []  # requests this step samples a token for
+        # With speculation, what the draft-length policy learns step costs from, gathered in the one pass over
+        # the batch (at a few hundred requests, passes of their own cost a visible share of the host's step).
+        speculating = self.config.max_draft_tokens > 0
+        generation, rounds, verified, num_tokens = speculating, 1, False, 0
         for item in step.chosen.values():
             request = item.request
             num_drafts = len(item.drafts)
+            if speculating:
+                num_tokens += item.num_tokens
+                if item.rounds > 1:
+                    rounds, verified = max(rounds, item.rounds), True
+                elif item.num_tokens != 1 + num_drafts:
+                    generation = False  # context work
+                elif num_drafts:
+                    verified = True
             if not request.sent_to_executor:
                 plan.new_requests.append(self._new_request(item))
                 request.sent_to_executor = True
@@ -475,12 +487,8 @@ class Scheduler:
                 sampled.append(request.request_id)
         if sampled:
             self._sampling[step_id] = sampled
-        if self.config.max_draft_tokens and not plan.new_requests and all(
-            item.num_tokens == 1 + len(item.drafts) or item.rounds > 1 for item in step.chosen.values()
-        ):  # a generation step: what the draft-length policy learns step costs from, per round
-            rounds = max((item.rounds for item in step.chosen.values()), default=1)
-            verified = rounds > 1 or any(item.drafts for item in step.chosen.values())
-            self._generation_steps[plan.step_id] = (plan.num_scheduled_tokens // rounds, rounds, verified)
+        if generation and not plan.new_requests:  # a generation step (speculation on): its cost per round
+            self._generation_steps[plan.step_id] = (num_tokens // rounds, rounds, verified)
         copies = self.kv.take_copies()
         plan.swap_out = [BlockCopy(device_block=d, host_slot=h) for d, h in copies.swap_out]
         plan.swap_in = [BlockCopy(device_block=d, host_slot=h) for h, d in copies.swap_in]

@@ -356,6 +356,29 @@ def test_scheduler_takes_a_result_of_fewer_rounds_than_planned():
     assert s.drafts.by_position == [2, 2, 2] and s.drafts.accepted_by_position == [2, 1, 1]
     assert s.kv.stats().num_free_blocks == s.config.num_kv_blocks  # its blocks went back
 
+def test_the_policy_learns_from_generation_steps_only():
+    """The draft-length policy prices steps by what generation steps cost: a step with context work (a
+    prompt) teaches it nothing, a plain generation step is priced as plain, one verifying host drafts as a
+    verification of its whole batch's tokens."""
+    s = make_scheduler(max_draft_tokens=3, adaptive_draft_length=False)
+    seen = []
+    s.draft_policy.observe = lambda tokens, seconds, *args, **kwargs: seen.append((tokens, kwargs["plain"]))
+    for rid in "ab":
+        s.add_request(make_request(rid, 6, max_tokens=40))
+    plan = s.schedule()  # the prompts
+    s.update(StepResult(plan.step_id, [RequestOutput(rid, [100], [101, 102]) for rid in "ab"], step_us=3000),
+             seconds=0.003)
+    assert seen == []
+    plan = s.schedule()  # both verify their two drafts: 2 x 3 tokens
+    assert [c.num_scheduled_tokens for c in plan.cached_requests] == [3, 3]
+    s.update(StepResult(plan.step_id, [RequestOutput(rid, [101, 103], [], 1) for rid in "ab"], step_us=2000),
+             seconds=0.002)
+    plan = s.schedule()  # no drafts came back: a plain step of one token each
+    assert [c.num_scheduled_tokens for c in plan.cached_requests] == [1, 1]
+    s.update(StepResult(plan.step_id, [RequestOutput(rid, [104]) for rid in "ab"], step_us=1000), seconds=0.001)
+    assert seen == [(6, False), (2, True)]
+
+
 def plan_after_first_step(s, request_ids: str, drafts: list[int], max_tokens: int = 40):
     """Admit ``request_ids`` (6-token prompts) to ``s``, answer their first step with one token and
     ``drafts`` each, and return the next plan."""
