@@ -356,6 +356,7 @@ def test_scheduler_takes_a_result_of_fewer_rounds_than_planned():
     assert s.drafts.by_position == [2, 2, 2] and s.drafts.accepted_by_position == [2, 1, 1]
     assert s.kv.stats().num_free_blocks == s.config.num_kv_blocks  # its blocks went back
 
+
 def test_the_policy_learns_from_generation_steps_only():
     """The draft-length policy prices steps by what generation steps cost: a step with context work (a
     prompt) teaches it nothing, a plain generation step is priced as plain, one verifying host drafts as a
