@@ -230,7 +230,12 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
             await _run_requests(submit, synthetic_prompts(8, args.batch1[0], 99, config["vocab_size"]), 4, "warm-up")
             # Batch 1: time per output token against the memory-bandwidth limit.
             in_len, out_len = args.batch1
+            if timeline is not None:
+                timeline.steps.clear()
             one = await _run_requests(submit, synthetic_prompts(1, in_len, 1, config["vocab_size"]), out_len, "batch 1")
+            if timeline is not None:
+                # The GPU's idle time between decode steps: what the host adds to a token's time.
+                one["gpu_timeline_by_kind"] = timeline.by_kind()
             if args.device.startswith("cuda"):
                 bandwidth = measure_copy_bandwidth(args.device)
                 mean_context = in_len + out_len / 2
@@ -244,8 +249,11 @@ def run_inprocess(args, engine_dir: Path, config: dict, result: dict) -> None:
                     "limit_ms_per_token": limit_ms, "tpot_over_limit": one["tpot_ms"]["p50"] / limit_ms,
                 }
             result["batch1"] = one
+            decode = one.get("gpu_timeline_by_kind", {}).get("one_token_per_request", {})
             log(f"batch 1: {one['tpot_ms']['p50']:.2f} ms/token" + (
-                f" ({one['bandwidth_limit']['tpot_over_limit']:.2f}x the bandwidth limit)" if "bandwidth_limit" in one else ""))
+                f" ({one['bandwidth_limit']['tpot_over_limit']:.2f}x the bandwidth limit)" if "bandwidth_limit" in one else "")
+                + (f", GPU idle {decode['idle_fraction']:.1%} of decode steps" if decode.get("idle_fraction") is not None
+                   else ""))
             for in_len, out_len in parse_scenarios(args.scenarios):
                 result["inprocess"][f"{in_len}x{out_len}"] = await scenario(
                     submit, timeline, in_len, out_len, "inprocess", async_engine, executor.runner)
