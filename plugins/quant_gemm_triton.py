@@ -140,3 +140,50 @@ if triton is not None:
             GROUP=group_size, HAS_PQS=pre_quant_scale is not None, PRECISION=_precision(x.dtype), **config,
         )
         return out
+
+    @triton.jit
+    def _int4_dequant_kernel(
+        w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sg, stride_on,
+        GROUP: tl.constexpr, HAS_PQS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = tl.program_id(1) * BLOCK_K
+        rb = tl.arange(0, BLOCK_K // 2)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        n_mask = rn[:, None] < N
+        packed = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rb)[None, :],
+                         mask=n_mask & ((k0 + 2 * rb) < K)[None, :], other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
+        # channel 2i in the low nibble, 2i + 1 in the high one
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
+        mask = n_mask & (rk < K)[None, :]
+        group_offs = rn[:, None] * stride_sn + (rk // GROUP)[None, :] * stride_sg
+        scale = tl.load(scale_ptr + group_offs, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + group_offs, mask=mask, other=0.0).to(tl.float32)
+        w = (codes - zero) * scale
+        if HAS_PQS:  # x * s @ W.T = x @ (W * s).T: AWQ's input scale folded into the weight
+            w *= tl.load(pqs_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+    def dequantize_int4_triton(
+        qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, k: int,
+        pre_quant_scale: torch.Tensor | None, dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The [N, k] weight in ``dtype`` from packed INT4 codes [N, k/2] and per-group scales/zeros [N, groups]
+        (any shared layout), times AWQ's per-input-channel ``pre_quant_scale`` when given.
+
+        For prompt-sized batches: one pass that reads the codes and writes the 16-bit weight, after which
+        a tensor-core GEMM library multiplies at its full rate (what vLLM does for AWQ above a few hundred
+        tokens); the weight exists only for that call (from the caching allocator, reused layer to layer).
+        """
+        if scales.stride() != zeros.stride():
+            raise ValueError("INT4 scales and zeros must share one layout")
+        n = qweight.shape[0]
+        out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+        block_n, block_k = 32, 128
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+        _int4_dequant_kernel[grid](
+            qweight, scales, zeros, pre_quant_scale if pre_quant_scale is not None else scales, out,
+            n, k, qweight.stride(0), *scales.stride(), out.stride(0),
+            GROUP=group_size, HAS_PQS=pre_quant_scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        )
+        return out

@@ -154,6 +154,35 @@ def _int4_operands(rows: int, k: int, n: int) -> tuple[torch.Tensor, tuple]:
     return x, (*qz.quantize_int4_groupwise(w, 128), 128, pqs)
 
 
+@pytest.mark.parametrize("group_size", [128, 32])
+def test_int4_dequantization_is_the_references_weight_exactly(group_size):
+    """The prompt-step path's 16-bit weight: the reference's float32 dequantization bit for bit (odd N, K
+    off the tile, a short last group), AWQ's input scale folded in, scales laid out either way."""
+    from plugins.quant_gemm_torch import dequantize_int4
+    from plugins.quant_gemm_triton import dequantize_int4_triton
+
+    n, k = 40, 200
+    _, w = _operands(1, k, n, torch.float32)
+    packed, scales, zeros = qz.quantize_int4_groupwise(w, group_size)
+    pqs = (torch.rand(k, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE)
+    expected = dequantize_int4(packed, scales, zeros, group_size)
+    by_group = scales.t().contiguous().t(), zeros.t().contiguous().t()
+    for s, z in ((scales, zeros), by_group):
+        assert torch.equal(dequantize_int4_triton(packed, s, z, group_size, k, None, torch.float32), expected)
+        assert torch.equal(dequantize_int4_triton(packed, s, z, group_size, k, pqs, torch.float32), expected * pqs)
+    with pytest.raises(ValueError, match="share one layout"):
+        dequantize_int4_triton(packed, by_group[0], zeros, group_size, k, None, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_prompt_rows_match_the_reference(dtype):
+    """Past the decode kernels' 16 rows the registered INT4 GEMM multiplies by the dequantized weight."""
+    x, (packed, scales, zeros, group, pqs) = _int4_operands(40, 576, 72)
+    x = x.to(dtype)
+    out = decode.gemm_w4a16_decode(x, packed, scales, zeros, group, pqs)
+    _close(out, gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
+
+
 @pytest.mark.parametrize("tactic", list(decode.FP8_TACTICS))
 def test_every_fp8_tactic_matches_reference(tactic):
     x, w = _operands(1, 200, 40, torch.float32)
