@@ -11,12 +11,12 @@ split-K whenever the output tiles alone cannot keep every SM streaming. Tile
 choices come from plugins/quant_gemm_decode_config.py.
 
 Registered as ``triton_decode`` for three kinds, each covering every batch
-size: small batches run the kernels here, larger ones INT8's ``tl.dot`` tile
-kernel (plugins/quant_gemm_triton.py), ``torch._scaled_mm`` for FP8, and for INT4
-the weight dequantized to 16 bits in one pass, then cuBLAS (the INT4 tile kernel,
-with few programs and short K steps on a prompt's rows, made a 128-token prompt
-step of Llama-3.1-8B's shape take about 100 ms on an H100 against bf16's 9.5), so
-build-time selection times them against the existing candidates.
+size: small batches run the kernels here, larger ones ``torch._scaled_mm`` for
+FP8, and for INT8 and INT4 the weight dequantized to 16 bits in one pass
+(plugins/quant_gemm_triton.py), then cuBLAS: the tile kernels there, with few
+programs and short K steps on a prompt's rows, made a 128-token prompt step of
+Llama-3.1-8B's shape in INT4 take about 100 ms on an H100 against bf16's 9.5.
+Build-time selection times these against the other candidates.
 
 FP8: ``gemm_fp8`` kernels normally get activations already quantized to FP8
 (``x_scale`` given). This one declares ``weight_only_rows`` = 16, which tells
@@ -56,7 +56,7 @@ from plugins.quant_gemm_decode_kernels import (
     _weight_dot_kernel,
 )
 from plugins.quant_gemm_scaled_mm import gemm_fp8_scaled_mm
-from plugins.quant_gemm_triton import dequantize_int4_triton, gemm_w8a16_triton
+from plugins.quant_gemm_triton import dequantize_int4_triton, dequantize_int8_triton
 from plugins.registry import register_kernel
 
 MAX_ROWS = 16  # the registered kernels use the small-M kernels up to this many rows
@@ -349,11 +349,12 @@ _CUDA = frozenset({"cuda"})
 
 @register_kernel(
     "gemm_w8a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tile kernel above",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows; above, the weight dequantized once "
+                "for a cuBLAS GEMM",
 )
 def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] > MAX_ROWS:
-        return gemm_w8a16_triton(x, qweight, scales)
+    if x.shape[0] > MAX_ROWS:  # a prompt step: the 16-bit weight for one cuBLAS GEMM
+        return F.linear(x, dequantize_int8_triton(qweight, scales, x.dtype))
     return w8a16_decode(x, qweight, scales)
 
 

@@ -187,3 +187,26 @@ if triton is not None:
             GROUP=group_size, HAS_PQS=pre_quant_scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         )
         return out
+
+    @triton.jit
+    def _int8_dequant_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_on,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rn[:, None] < N) & (rk[None, :] < K)
+        q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask, other=0)
+        scale = tl.load(scale_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], (q.to(tl.float32) * scale[:, None]).to(
+            out_ptr.dtype.element_ty), mask=mask)
+
+    def dequantize_int8_triton(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The [N, K] weight in ``dtype`` from INT8 codes [N, K] and per-output-channel scales [N], rounded
+        once (as the reference rounds it), for a prompt step's cuBLAS GEMM (see ``dequantize_int4_triton``)."""
+        n, k = qweight.shape
+        out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+        block_n, block_k = 32, 128
+        _int8_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+            qweight, scales, out, n, k, qweight.stride(0), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=4,
+        )
+        return out

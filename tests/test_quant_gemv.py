@@ -174,13 +174,24 @@ def test_int4_dequantization_is_the_references_weight_exactly(group_size):
         dequantize_int4_triton(packed, by_group[0], zeros, group_size, k, None, torch.float32)
 
 
+def test_int8_dequantization_is_the_references_weight_exactly():
+    from plugins.quant_gemm_triton import dequantize_int8_triton
+
+    _, w = _operands(1, 200, 40, torch.float32)
+    q, scales = qz.quantize_int8_per_channel(w)
+    for dtype in (torch.float32, torch.float16):
+        assert torch.equal(dequantize_int8_triton(q, scales, dtype), (q.float() * scales.float()[:, None]).to(dtype))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int4_prompt_rows_match_the_reference(dtype):
-    """Past the decode kernels' 16 rows the registered INT4 GEMM multiplies by the dequantized weight."""
+def test_prompt_rows_match_the_reference(dtype):
+    """Past the decode kernels' 16 rows the registered INT8 and INT4 GEMMs multiply by the dequantized weight."""
     x, (packed, scales, zeros, group, pqs) = _int4_operands(40, 576, 72)
     x = x.to(dtype)
     out = decode.gemm_w4a16_decode(x, packed, scales, zeros, group, pqs)
     _close(out, gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
+    q, q_scales = qz.quantize_int8_per_channel(_operands(1, 576, 72, torch.float32)[1])
+    _close(decode.gemm_w8a16_decode(x, q, q_scales), gemm_w8a16(x, q, q_scales), dtype)
 
 
 @pytest.mark.parametrize("tactic", list(decode.FP8_TACTICS))
@@ -278,7 +289,8 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
 def test_registered_kernels_use_the_decode_kernels_up_to_16_rows(monkeypatch):
     calls = []
     monkeypatch.setattr(decode, "w8a16_decode", lambda *a: calls.append(("decode", a[0].shape[0])))
-    monkeypatch.setattr(decode, "gemm_w8a16_triton", lambda *a: calls.append(("tiles", a[0].shape[0])))
+    monkeypatch.setattr(decode, "dequantize_int8_triton",
+                        lambda *a: calls.append(("dequantized", a[2])) or torch.ones(3, 8))
     monkeypatch.setattr(decode, "fp8_weight_only_decode", lambda *a: calls.append(("fp8 weight-only", a[0].shape[0])))
     monkeypatch.setattr(decode, "gemm_fp8_scaled_mm", lambda *a: calls.append(("scaled_mm", a[0].shape[0])))
     for rows in (1, 16, 17):
@@ -286,7 +298,7 @@ def test_registered_kernels_use_the_decode_kernels_up_to_16_rows(monkeypatch):
         decode.gemm_w8a16_decode(x, None, None)
         decode.gemm_fp8_decode(x, None if rows <= 16 else torch.ones(rows, 1), None, None, torch.float32)
     assert calls == [("decode", 1), ("fp8 weight-only", 1), ("decode", 16), ("fp8 weight-only", 16),
-                     ("tiles", 17), ("scaled_mm", 17)]
+                     ("dequantized", torch.float32), ("scaled_mm", 17)]
     cpu = torch.device("cpu")
     for kind in ("gemm_w8a16", "gemm_w4a16", "gemm_fp8"):
         with pytest.raises(ValueError, match="cannot run on cpu"):
