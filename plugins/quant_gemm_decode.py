@@ -13,10 +13,10 @@ choices come from plugins/quant_gemm_decode_config.py.
 Registered as ``triton_decode`` for three kinds, each covering every batch
 size: small batches run the kernels here, larger ones ``torch._scaled_mm`` for
 FP8, and for INT8 and INT4 the weight dequantized to 16 bits in one pass
-(plugins/quant_gemm_triton.py), then cuBLAS: the tile kernels there, with few
-programs and short K steps on a prompt's rows, made a 128-token prompt step of
-Llama-3.1-8B's shape in INT4 take about 100 ms on an H100 against bf16's 9.5.
-Build-time selection times these against the other candidates.
+(plugins/quant_gemm_triton.py), then cuBLAS. The tile kernels there made a
+128-token INT4 prompt step of Llama-3.1-8B's shape take about 100 ms on an H100
+against bf16's 9.5 (on a prompt's rows they run few programs, each walking K in
+short steps). Build-time selection times these against the other candidates.
 
 FP8: ``gemm_fp8`` kernels normally get activations already quantized to FP8
 (``x_scale`` given). This one declares ``weight_only_rows`` = 16, which tells
@@ -353,7 +353,7 @@ _CUDA = frozenset({"cuda"})
                 "for a cuBLAS GEMM",
 )
 def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] > MAX_ROWS:  # a prompt step: the 16-bit weight for one cuBLAS GEMM
+    if x.shape[0] > MAX_ROWS:  # a prompt, or a decode batch past 16: one cuBLAS GEMM
         return F.linear(x, dequantize_int8_triton(qweight, scales, x.dtype))
     return w8a16_decode(x, qweight, scales)
 
@@ -367,7 +367,7 @@ def gemm_w4a16_decode(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     pre_quant_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if x.shape[0] > MAX_ROWS:  # a prompt step: the 16-bit weight for one cuBLAS GEMM
+    if x.shape[0] > MAX_ROWS:  # a prompt, or a decode batch past 16: one cuBLAS GEMM
         weight = dequantize_int4_triton(qweight, scales, zeros, group_size, x.shape[1], pre_quant_scale, x.dtype)
         return F.linear(x, weight)
     return w4a16_decode(x, qweight, scales, zeros, group_size, pre_quant_scale)

@@ -171,9 +171,10 @@ if triton is not None:
         """The [N, k] weight in ``dtype`` from packed INT4 codes [N, k/2] and per-group scales/zeros [N, groups]
         (any shared layout), times AWQ's per-input-channel ``pre_quant_scale`` when given.
 
-        For prompt-sized batches: one pass that reads the codes and writes the 16-bit weight, after which
-        a tensor-core GEMM library multiplies at its full rate (what vLLM does for AWQ above a few hundred
-        tokens); the weight exists only for that call (from the caching allocator, reused layer to layer).
+        For batches past the decode kernels' rows: one pass that reads the codes and writes the 16-bit
+        weight, after which a tensor-core GEMM library multiplies at its full rate (vLLM does the same for
+        AWQ from 256 tokens); the weight exists only for that call (from the caching allocator, reused layer
+        to layer).
         """
         if scales.stride() != zeros.stride():
             raise ValueError("INT4 scales and zeros must share one layout")
