@@ -276,7 +276,8 @@ def row_tile_call(fmt: str, x, group_size: int) -> Callable[[object], object] | 
         return None
     sms = decode.num_sms(x.device)
     if fmt == "int8":
-        return lambda c: decode.w8a16_decode(x, c.qweight, c.scales, dot_config("int8", rows, c.qweight.shape[0], k, sms))
+        return lambda c: decode.w8a16_decode(
+            x, c.qweight, c.scales, dot_config("int8", rows, c.qweight.shape[0], k, sms))
     return lambda c: decode.w4a16_decode(x, c.qweight, c.scales, c.zeros, group_size, c.pre_quant_scale,
                                          dot_config("int4", rows, c.qweight.shape[0], k, sms, group_size))
 
