@@ -1,4 +1,4 @@
-"""Weight-only quantized GEMMs for decode-sized batches (M <= 16), in Triton.
+"""Weight-only quantized GEMMs for decode-sized batches (the small-M kernels take up to 16 rows), in Triton.
 
 A decode step multiplies a handful of rows by every weight of the model once:
 its time is the time to read the weights, so a quantized GEMM is only worth
@@ -12,11 +12,18 @@ choices come from plugins/quant_gemm_decode_config.py.
 
 Registered as ``triton_decode`` for three kinds, each covering every batch
 size: small batches run the kernels here, larger ones ``torch._scaled_mm`` for
-FP8, and for INT8 and INT4 the weight dequantized to 16 bits in one pass
-(plugins/quant_gemm_triton.py), then cuBLAS. The tile kernels there made a
-128-token INT4 prompt step of Llama-3.1-8B's shape take about 100 ms on an H100
-against bf16's 9.5 (on a prompt's rows they run few programs, each walking K in
-short steps). Build-time selection times these against the other candidates.
+FP8. INT8 and INT4 run the 16-row ``tl.dot`` kernel over every row tile up to
+ROW_TILE_MAX_ROWS rows (each tile reads the quantized weight again), and past
+that the weight dequantized to 16 bits in one pass (plugins/quant_gemm_triton.py),
+then cuBLAS. On an H100 with Llama-3.1-8B's projections
+(bench/results/h100_quant_gemm_int4_int8_rows_llama8b.json) the row tiles beat
+the dequantized path on every projection at 32 and 64 rows, by 1.7-4.3x for
+INT4 and 1.3-3.0x for INT8, and were about even at 128 (0.8-1.1x); the
+dequantized path won every projection at 512 and 2,048 rows, by 2.8-9.1x over
+the row tiles and, for INT4, 5-15x over the tile kernels of
+plugins/quant_gemm_triton.py, which had made a 128-token INT4 prompt step take
+about 100 ms against bf16's 9.5 (17 ms with the dequantized path).
+Build-time selection times these against the other candidates.
 
 FP8: ``gemm_fp8`` kernels normally get activations already quantized to FP8
 (``x_scale`` given). This one declares ``weight_only_rows`` = 16, which tells
@@ -60,6 +67,9 @@ from plugins.quant_gemm_triton import dequantize_int4_triton, dequantize_int8_tr
 from plugins.registry import register_kernel
 
 MAX_ROWS = 16  # the registered kernels use the small-M kernels up to this many rows
+# ... and for INT8 and INT4 the 16-row tl.dot kernel over row tiles up to this many, where it beat
+# dequantizing the weight for cuBLAS on an H100 (see the module docstring)
+ROW_TILE_MAX_ROWS = 64
 LOCK_SLOTS = 1 << 16  # output tiles one split launch may have (N / BLOCK_N x M tiles)
 INTERPRETER_SMS = 4  # stand-in SM count on the CPU (Triton's interpreter)
 # The INT4 word-plane tl.dot kernel multiplies block_k / 8 channels per dot, and a tensor-core
@@ -349,28 +359,33 @@ _CUDA = frozenset({"cuda"})
 
 @register_kernel(
     "gemm_w8a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows; above, the weight dequantized once "
-                "for a cuBLAS GEMM",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, 16-row tiles up to "
+                f"{ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
 )
 def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] > MAX_ROWS:  # a prompt, or a decode batch past 16: one cuBLAS GEMM
+    rows = x.shape[0]
+    if rows > ROW_TILE_MAX_ROWS:  # a prompt, or a large decode batch: one cuBLAS GEMM
         return F.linear(x, dequantize_int8_triton(qweight, scales, x.dtype))
+    if rows > MAX_ROWS:
+        return w8a16_decode(x, qweight, scales, _dot_config("int8", x, qweight.shape[0]))
     return w8a16_decode(x, qweight, scales)
 
 
 @register_kernel(
     "gemm_w4a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows; above, the weight dequantized once "
-                "for a cuBLAS GEMM",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, 16-row tiles up to "
+                f"{ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
 )
 def gemm_w4a16_decode(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
     pre_quant_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    if x.shape[0] > MAX_ROWS:  # a prompt, or a decode batch past 16: one cuBLAS GEMM
+    rows = x.shape[0]
+    if rows > ROW_TILE_MAX_ROWS:  # a prompt, or a large decode batch: one cuBLAS GEMM
         weight = dequantize_int4_triton(qweight, scales, zeros, group_size, x.shape[1], pre_quant_scale, x.dtype)
         return F.linear(x, weight)
-    return w4a16_decode(x, qweight, scales, zeros, group_size, pre_quant_scale)
+    config = _dot_config("int4", x, qweight.shape[0], group_size) if rows > MAX_ROWS else None
+    return w4a16_decode(x, qweight, scales, zeros, group_size, pre_quant_scale, config)
 
 
 @register_kernel(

@@ -146,20 +146,20 @@ if triton is not None:
         w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sg, stride_on,
         GROUP: tl.constexpr, HAS_PQS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        # Shaped like the INT8 pass: a program's K block lies in one group, so its scales and zeros are one
+        # vector over its output channels, and each weight reads its own byte (two neighbours share one,
+        # within a load) and shifts its nibble out, so loads and stores share one layout.
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
-        rb = tl.arange(0, BLOCK_K // 2)
         rk = k0 + tl.arange(0, BLOCK_K)
-        n_mask = rn[:, None] < N
-        packed = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rb)[None, :],
-                         mask=n_mask & ((k0 + 2 * rb) < K)[None, :], other=0)  # [BLOCK_N, BLOCK_K / 2] uint8
-        # channel 2i in the low nibble, 2i + 1 in the high one
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
-        mask = n_mask & (rk < K)[None, :]
-        group_offs = rn[:, None] * stride_sn + (rk // GROUP)[None, :] * stride_sg
-        scale = tl.load(scale_ptr + group_offs, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(zero_ptr + group_offs, mask=mask, other=0.0).to(tl.float32)
-        w = (codes - zero) * scale
+        n_mask = rn < N
+        mask = n_mask[:, None] & (rk < K)[None, :]
+        packed = tl.load(w_ptr + rn[:, None] * stride_wn + (rk // 2)[None, :], mask=mask, other=0)
+        codes = ((packed >> ((rk & 1) * 4).to(tl.uint8)[None, :]) & 0xF).to(tl.float32)  # 2i low nibble, 2i+1 high
+        group_offs = rn * stride_sn + (k0 // GROUP) * stride_sg
+        scale = tl.load(scale_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(zero_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)
+        w = (codes - zero[:, None]) * scale[:, None]
         if HAS_PQS:  # x * s @ W.T = x @ (W * s).T: AWQ's input scale folded into the weight
             w *= tl.load(pqs_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
@@ -180,7 +180,9 @@ if triton is not None:
             raise ValueError("INT4 scales and zeros must share one layout")
         n = qweight.shape[0]
         out = torch.empty((n, k), dtype=dtype, device=qweight.device)
-        block_n, block_k = 32, 128
+        block_n, block_k = 32, min(128, group_size)
+        if group_size % block_k or block_k & (block_k - 1):
+            raise ValueError(f"INT4 group size {group_size} must be a power of two up to 128 or a multiple of 128")
         grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
         _int4_dequant_kernel[grid](
             qweight, scales, zeros, pre_quant_scale if pre_quant_scale is not None else scales, out,

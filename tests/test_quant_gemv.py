@@ -184,9 +184,11 @@ def test_int8_dequantization_is_the_references_weight_exactly():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prompt_rows_match_the_reference(dtype):
-    """Past the decode kernels' 16 rows the registered INT8 and INT4 GEMMs multiply by the dequantized weight."""
-    x, (packed, scales, zeros, group, pqs) = _int4_operands(40, 576, 72)
+@pytest.mark.parametrize("rows", [40, 72])
+def test_rows_past_the_decode_kernels_match_the_reference(dtype, rows):
+    """Past the decode kernels' 16 rows the registered INT8 and INT4 GEMMs run 16-row tiles (40 rows: three
+    tiles, the last one partial) and past 64 multiply by the dequantized weight (72)."""
+    x, (packed, scales, zeros, group, pqs) = _int4_operands(rows, 576, 72)
     x = x.to(dtype)
     out = decode.gemm_w4a16_decode(x, packed, scales, zeros, group, pqs)
     _close(out, gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
@@ -286,19 +288,35 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
         _close(first, decode.w8a16_decode(x, q, scales, _gemv(16, 64, 1)), torch.float32)
 
 
-def test_registered_kernels_use_the_decode_kernels_up_to_16_rows(monkeypatch):
+def test_registered_kernels_route_by_rows(monkeypatch):
+    """Up to 16 rows the decode kernels (their own tile choice), INT8/INT4 up to 64 the 16-row tl.dot tiles,
+    past that the dequantized weight; FP8 past 16 rows the scaled matmul."""
     calls = []
-    monkeypatch.setattr(decode, "w8a16_decode", lambda *a: calls.append(("decode", a[0].shape[0])))
+
+    def decode_call(name):
+        return lambda x, *a: calls.append((name, x.shape[0], "own" if a[-1] is None else a[-1].describe()["fma"]))
+
+    monkeypatch.setattr(decode, "w8a16_decode", lambda x, q, s, config=None: decode_call("int8")(x, config))
+    monkeypatch.setattr(decode, "w4a16_decode", lambda x, *a: decode_call("int4")(x, a[-1]))
     monkeypatch.setattr(decode, "dequantize_int8_triton",
-                        lambda *a: calls.append(("dequantized", a[2])) or torch.ones(3, 8))
+                        lambda *a: calls.append(("int8 dequantized", a[2])) or torch.ones(3, 8))
+    monkeypatch.setattr(decode, "dequantize_int4_triton",
+                        lambda *a: calls.append(("int4 dequantized", a[-1])) or torch.ones(3, 8))
     monkeypatch.setattr(decode, "fp8_weight_only_decode", lambda *a: calls.append(("fp8 weight-only", a[0].shape[0])))
     monkeypatch.setattr(decode, "gemm_fp8_scaled_mm", lambda *a: calls.append(("scaled_mm", a[0].shape[0])))
-    for rows in (1, 16, 17):
+    q8, q4 = torch.zeros(3, 8, dtype=torch.int8), torch.zeros(3, 4, dtype=torch.uint8)
+    for rows in (1, 16, 17, 64, 65):
         x = torch.zeros(rows, 8)
-        decode.gemm_w8a16_decode(x, None, None)
+        decode.gemm_w8a16_decode(x, q8, None)
+        decode.gemm_w4a16_decode(x, q4, None, None, 128)
         decode.gemm_fp8_decode(x, None if rows <= 16 else torch.ones(rows, 1), None, None, torch.float32)
-    assert calls == [("decode", 1), ("fp8 weight-only", 1), ("decode", 16), ("fp8 weight-only", 16),
-                     ("dequantized", torch.float32), ("scaled_mm", 17)]
+    assert calls == [
+        ("int8", 1, "own"), ("int4", 1, "own"), ("fp8 weight-only", 1),
+        ("int8", 16, "own"), ("int4", 16, "own"), ("fp8 weight-only", 16),
+        ("int8", 17, False), ("int4", 17, False), ("scaled_mm", 17),
+        ("int8", 64, False), ("int4", 64, False), ("scaled_mm", 64),
+        ("int8 dequantized", torch.float32), ("int4 dequantized", torch.float32), ("scaled_mm", 65),
+    ]
     cpu = torch.device("cpu")
     for kind in ("gemm_w8a16", "gemm_w4a16", "gemm_fp8"):
         with pytest.raises(ValueError, match="cannot run on cpu"):
