@@ -15,8 +15,9 @@ and its scales), the speedup over bf16, and the largest difference from the
 format's torch reference relative to the reference's largest value.
 
 Past 16 rows, ``row_tiles`` times INT8 and INT4 through the 16-row ``tl.dot`` kernel over
-every row tile (the weight read once per tile) beside the registered path, which dequantizes the
-weight once for cuBLAS: where the first wins sets how far the decode kernels should reach.
+every row tile (the weight read once per tile) and ``row_block`` through tiles of up to 64 rows,
+beside the path that dequantizes the weight once for cuBLAS: where each wins sets how far the
+decode kernels should reach.
 
 ``variants``: the small-M kernels of plugins/quant_gemm_decode.py under tile
 variants (one knob at a time around the defaults of
@@ -249,37 +250,48 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
                 })
                 log(f"{name:8s} M={rows:<3d} {fmt:5s} {spec.name:14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16 "
                     f"{bf16_us:8.1f} us")
-            row_tiles = row_tile_call(fmt, x, args.group_size)
-            if row_tiles is not None:  # the alternative to dequantizing past 16 rows: 16-row tiles, weights re-read
-                diff = _rel_diff(row_tiles(layer), reference)
-                us = timer(row_tiles, layer_copies[fmt])
+            # The alternatives to dequantizing past 16 rows: 16-row tiles (the weights read once per 16 rows),
+            # and tiles of up to 64 rows (read once per 64).
+            for impl, block_m in (("row_tiles", 0), ("row_block", min(64, 1 << (rows - 1).bit_length()))):
+                call = row_tile_call(fmt, x, args.group_size, block_m)
+                if call is None:
+                    continue
+                try:
+                    diff = _rel_diff(call(layer), reference)
+                    us = timer(call, layer_copies[fmt])
+                except Exception as exc:  # e.g. a tile that does not fit: recorded, not fatal
+                    results.append({**base, "format": fmt, "impl": impl, "error": f"{type(exc).__name__}: {exc}"})
+                    continue
                 results.append({
-                    **base, "format": fmt, "impl": "row_tiles", "us": round(us, 2),
+                    **base, "format": fmt, "impl": impl, "block_m": block_m or 16, "us": round(us, 2),
                     "weight_gb_per_s": round(weight_bytes(fmt, n, k, args.group_size) / us / 1e3, 1),
                     "speedup_vs_bf16": round(bf16_us / us, 3), "max_rel_diff": diff,
                 })
-                log(f"{name:8s} M={rows:<3d} {fmt:5s} {'row_tiles':14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16")
+                log(f"{name:8s} M={rows:<3d} {fmt:5s} {impl:14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16")
             if not args.no_variants:
                 variant_rows += measure_variants(fmt, layer_copies[fmt], x, base, args, timer)
     return results, variant_rows
 
 
-def row_tile_call(fmt: str, x, group_size: int) -> Callable[[object], object] | None:
-    """Past 16 rows (where ``triton_decode`` dequantizes the weight for cuBLAS): the same layer through the
-    16-row ``tl.dot`` kernel over every row tile, each tile reading the quantized weight again. None for
-    FP8 and for batches the registered kernel already runs this way."""
+def row_tile_call(fmt: str, x, group_size: int, block_m: int = 0) -> Callable[[object], object] | None:
+    """Past 16 rows: the layer through the ``tl.dot`` kernel over tiles of ``block_m`` rows (0: 16), each
+    tile reading the quantized weight again. None for FP8 and up to 16 rows."""
     from plugins import quant_gemm_decode as decode
-    from plugins.quant_gemm_decode_config import dot_config
+    from plugins.quant_gemm_decode_config import dot_config, resolve_split
 
     rows, k = x.shape
     if rows <= decode.MAX_ROWS or fmt not in ("int8", "int4"):
         return None
     sms = decode.num_sms(x.device)
+
+    def config(n: int):
+        base = dot_config(fmt, rows, n, k, sms, group_size)
+        return resolve_split(replace(base, block_m=block_m, split_k=0), rows, n, k, sms) if block_m else base
+
     if fmt == "int8":
-        return lambda c: decode.w8a16_decode(
-            x, c.qweight, c.scales, dot_config("int8", rows, c.qweight.shape[0], k, sms))
+        return lambda c: decode.w8a16_decode(x, c.qweight, c.scales, config(c.qweight.shape[0]))
     return lambda c: decode.w4a16_decode(x, c.qweight, c.scales, c.zeros, group_size, c.pre_quant_scale,
-                                         dot_config("int4", rows, c.qweight.shape[0], k, sms, group_size))
+                                         config(c.qweight.shape[0]))
 
 
 def measure_variants(fmt: str, layers: list, x, base: dict, args: argparse.Namespace, timer: Timer) -> list[dict]:

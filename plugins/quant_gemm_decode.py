@@ -57,7 +57,7 @@ import triton
 
 from plugins import gemv_tactics
 from plugins.pdl import pdl_launch_args
-from plugins.quant_gemm_decode_config import DOT_BLOCK_M, DecodeConfig, decode_config, dot_config, resolve_split
+from plugins.quant_gemm_decode_config import DecodeConfig, decode_config, dot_config, resolve_split
 from plugins.quant_gemm_decode_kernels import (
     _float_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel, _w8a16_gemv_kernel,
     _weight_dot_kernel,
@@ -112,7 +112,7 @@ def _launch(
     row stride, K steps per split, then the constants.
     """
     m = x.shape[0]
-    row_tiles = 1 if config.fma else triton.cdiv(m, DOT_BLOCK_M)
+    row_tiles = 1 if config.fma else triton.cdiv(m, config.rows_per_tile)
     n_tiles = triton.cdiv(n, config.block_n)
     steps = triton.cdiv(k, config.block_k)
     split = max(1, min(config.split_k, steps))
@@ -126,7 +126,7 @@ def _launch(
         rows = {"ROWS": m, "BLOCK_M": triton.next_power_of_2(m), "EVEN_K": k % config.block_k == 0,
                 "PREFETCH": config.num_stages > 1}
     else:
-        rows = {"BLOCK_M": DOT_BLOCK_M}
+        rows = {"BLOCK_M": config.rows_per_tile}
     kernel[(n_tiles, split, row_tiles)](
         x, *tensors, out, partials, locks if locks is not None else out, m, n, k, x.stride(0), *strides,
         out.stride(0), steps_per_split, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,

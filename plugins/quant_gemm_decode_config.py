@@ -32,6 +32,9 @@ MIN_SPLIT_STEPS = 4
 MAX_SPLIT = 16
 
 
+DOT_BLOCK_M = 16  # rows per tl.dot tile: the smallest M side of a tensor-core MMA
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """One launch of a small-M kernel."""
@@ -49,14 +52,25 @@ class DecodeConfig:
     # accumulators per row instead of one per weight; 0 keeps one per weight. Fewer registers let more
     # programs (and their loads) stay resident on an SM.
     thread_k: int = 0
+    # tl.dot kernels: rows per program (a power of two, at least DOT_BLOCK_M); 0 is DOT_BLOCK_M. A
+    # batch past one tile reads the weights once per tile of rows, so larger tiles read them less often.
+    block_m: int = 0
 
     def __post_init__(self) -> None:
         if self.thread_k and (self.thread_k & (self.thread_k - 1) or self.block_k % self.thread_k):
             raise ValueError(f"thread_k {self.thread_k} must be a power of two dividing block_k {self.block_k}")
+        if self.block_m and (self.fma or self.block_m < DOT_BLOCK_M or self.block_m & (self.block_m - 1)):
+            raise ValueError(f"block_m {self.block_m}: tl.dot tiles only, a power of two of at least {DOT_BLOCK_M}")
+
+    @property
+    def rows_per_tile(self) -> int:
+        """Rows one tl.dot program covers."""
+        return self.block_m or DOT_BLOCK_M
 
     def describe(self) -> dict[str, int | bool]:
-        return {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
-                "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
+        described = {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
+                     "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
+        return described | ({"block_m": self.block_m} if self.block_m else {})
 
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the
@@ -88,7 +102,6 @@ DOT_TILES = {
     "fp8": DecodeConfig(fma=False, block_n=64, block_k=128, num_stages=3),
 }
 
-DOT_BLOCK_M = 16  # rows per tl.dot tile: the smallest M side of a tensor-core MMA
 
 
 def split_k_for(tiles: int, k_steps: int, num_sms: int) -> int:
@@ -130,6 +143,6 @@ def resolve_split(config: DecodeConfig, rows: int, n: int, k: int, num_sms: int)
     """``config`` with ``split_k`` 0 replaced by the SM-count choice."""
     if config.split_k:
         return config
-    row_tiles = 1 if config.fma else -(-rows // DOT_BLOCK_M)
+    row_tiles = 1 if config.fma else -(-rows // config.rows_per_tile)
     tiles = -(-n // config.block_n) * row_tiles
     return replace(config, split_k=split_k_for(tiles, -(-k // config.block_k), num_sms))

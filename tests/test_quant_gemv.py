@@ -196,6 +196,29 @@ def test_rows_past_the_decode_kernels_match_the_reference(dtype, rows):
     _close(decode.gemm_w8a16_decode(x, q, q_scales), gemm_w8a16(x, q, q_scales), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_dot_tiles_of_more_rows_match_the_reference(dtype, block_m):
+    """tl.dot programs of 32 or 64 rows (the weights read once per tile of rows): 40 rows make a partial
+    last tile or one partial tile, split over K or not."""
+    x, (packed, scales, zeros, group, pqs) = _int4_operands(40, 576, 72)
+    x = x.to(dtype)
+    q, q_scales = qz.quantize_int8_per_channel(_operands(1, 576, 72, torch.float32)[1])
+    for split_k in (1, 2):
+        config = DecodeConfig(fma=False, block_n=32, block_k=128, split_k=split_k, block_m=block_m)
+        _close(decode.w4a16_decode(x, packed, scales, zeros, group, pqs, config),
+               gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
+        _close(decode.w8a16_decode(x, q, q_scales, config), gemm_w8a16(x, q, q_scales), dtype)
+
+
+def test_decode_config_rows_per_tile():
+    assert _dot(64, 128, 0).rows_per_tile == 16 and "block_m" not in _dot(64, 128, 0).describe()
+    assert DecodeConfig(fma=False, block_n=64, block_k=128, block_m=64).describe()["block_m"] == 64
+    for bad in ({"fma": False, "block_m": 8}, {"fma": False, "block_m": 48}, {"fma": True, "block_m": 32}):
+        with pytest.raises(ValueError, match="block_m"):
+            DecodeConfig(block_n=64, block_k=128, **bad)
+
+
 @pytest.mark.parametrize("tactic", list(decode.FP8_TACTICS))
 def test_every_fp8_tactic_matches_reference(tactic):
     x, w = _operands(1, 200, 40, torch.float32)
