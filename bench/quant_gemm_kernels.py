@@ -197,6 +197,7 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
 
     from executor_svc.quantization.kernel_choice import quantized_layer
     from executor_svc.quantization.linear import weight_only_rows
+    from plugins.quant_gemm_decode_config import row_block
     from plugins.quant_gemm_torch import gemm_fp8
     from plugins.registry import get_kernel, list_kernels
 
@@ -252,7 +253,7 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
                     f"{bf16_us:8.1f} us")
             # The alternatives to dequantizing past 16 rows: 16-row tiles (the weights read once per 16 rows),
             # and tiles of up to 64 rows (read once per 64).
-            for impl, block_m in (("row_tiles", 0), ("row_block", min(64, 1 << (rows - 1).bit_length()))):
+            for impl, block_m in (("row_tiles", 0), ("row_block", row_block(rows))):
                 call = row_tile_call(fmt, x, args.group_size, block_m)
                 if call is None:
                     continue
@@ -277,7 +278,7 @@ def row_tile_call(fmt: str, x, group_size: int, block_m: int = 0) -> Callable[[o
     """Past 16 rows: the layer through the ``tl.dot`` kernel over tiles of ``block_m`` rows (0: 16), each
     tile reading the quantized weight again. None for FP8 and up to 16 rows."""
     from plugins import quant_gemm_decode as decode
-    from plugins.quant_gemm_decode_config import dot_config, resolve_split
+    from plugins.quant_gemm_decode_config import dot_config
 
     rows, k = x.shape
     if rows <= decode.MAX_ROWS or fmt not in ("int8", "int4"):
@@ -285,8 +286,7 @@ def row_tile_call(fmt: str, x, group_size: int, block_m: int = 0) -> Callable[[o
     sms = decode.num_sms(x.device)
 
     def config(n: int):
-        base = dot_config(fmt, rows, n, k, sms, group_size)
-        return resolve_split(replace(base, block_m=block_m, split_k=0), rows, n, k, sms) if block_m else base
+        return dot_config(fmt, rows, n, k, sms, group_size, block_m)
 
     if fmt == "int8":
         return lambda c: decode.w8a16_decode(x, c.qweight, c.scales, config(c.qweight.shape[0]))

@@ -12,15 +12,17 @@ choices come from plugins/quant_gemm_decode_config.py.
 
 Registered as ``triton_decode`` for three kinds, each covering every batch
 size: small batches run the kernels here, larger ones ``torch._scaled_mm`` for
-FP8. INT8 and INT4 run the 16-row ``tl.dot`` kernel over every row tile up to
-ROW_TILE_MAX_ROWS rows (each tile reads the quantized weight again), and past
-that the weight dequantized to 16 bits in one pass (plugins/quant_gemm_triton.py),
-then cuBLAS. On an H100 with Llama-3.1-8B's projections
-(bench/results/h100_quant_gemm_int4_int8_rows_llama8b.json) the row tiles beat
-the dequantized path on every projection at 32 and 64 rows, by 1.7-4.3x for
-INT4 and 1.3-3.0x for INT8, and were about even at 128 (0.8-1.1x); the
+FP8. INT8 and INT4 run the ``tl.dot`` kernel in tiles of up to 64 rows
+(``row_block``; each tile reads the quantized weight again) up to
+ROW_TILE_MAX_ROWS rows, and past that the weight dequantized to 16 bits in one
+pass (plugins/quant_gemm_triton.py), then cuBLAS. On an H100 with
+Llama-3.1-8B's projections (bench/results/h100_quant_gemm_int4_int8_rows_llama8b.json,
+..._row_block_llama8b.json) 16-row tiles beat the dequantized path on every
+projection at 32 and 64 rows (1.7-4.3x for INT4, 1.3-3.0x for INT8) and were
+about even at 128; tiles of 32 and 64 rows beat both at 32 to 128 rows on every
+INT4 projection (1.01-1.28x) and every INT8 one but o at 128 (0.90x); the
 dequantized path won every projection at 512 and 2,048 rows, by 2.8-9.1x over
-the row tiles and, for INT4, 5-15x over the tile kernels of
+16-row tiles and, for INT4, 5-15x over the tile kernels of
 plugins/quant_gemm_triton.py, which had made a 128-token INT4 prompt step take
 about 100 ms against bf16's 9.5 (17 ms with the dequantized path).
 Build-time selection times these against the other candidates.
@@ -57,7 +59,7 @@ import triton
 
 from plugins import gemv_tactics
 from plugins.pdl import pdl_launch_args
-from plugins.quant_gemm_decode_config import DecodeConfig, decode_config, dot_config, resolve_split
+from plugins.quant_gemm_decode_config import DecodeConfig, decode_config, dot_config, resolve_split, row_block
 from plugins.quant_gemm_decode_kernels import (
     _float_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel, _w8a16_gemv_kernel,
     _weight_dot_kernel,
@@ -67,9 +69,9 @@ from plugins.quant_gemm_triton import dequantize_int4_triton, dequantize_int8_tr
 from plugins.registry import register_kernel
 
 MAX_ROWS = 16  # the registered kernels use the small-M kernels up to this many rows
-# ... and for INT8 and INT4 the 16-row tl.dot kernel over row tiles up to this many, where it beat
+# ... and for INT8 and INT4 the tl.dot kernel in tiles of up to 64 rows up to this many, where it beat
 # dequantizing the weight for cuBLAS on an H100 (see the module docstring)
-ROW_TILE_MAX_ROWS = 64
+ROW_TILE_MAX_ROWS = 128
 LOCK_SLOTS = 1 << 16  # output tiles one split launch may have (N / BLOCK_N x M tiles)
 INTERPRETER_SMS = 4  # stand-in SM count on the CPU (Triton's interpreter)
 # The INT4 word-plane tl.dot kernel multiplies block_k / 8 channels per dot, and a tensor-core
@@ -148,10 +150,10 @@ def _prepare(
     return x, config, torch.empty((m, n), dtype=out_dtype, device=x.device)
 
 
-def _dot_config(fmt: str, x: torch.Tensor, n: int, group_size: int = 128) -> DecodeConfig:
-    """The tl.dot launch, for a GEMV config whose weight cannot be read as words."""
+def _dot_config(fmt: str, x: torch.Tensor, n: int, group_size: int = 128, block_m: int = 0) -> DecodeConfig:
+    """The tl.dot launch, for a GEMV config whose weight cannot be read as words, or past 16 rows."""
     m, k = x.shape
-    return dot_config(fmt, m, n, k, num_sms(x.device), group_size)
+    return dot_config(fmt, m, n, k, num_sms(x.device), group_size, block_m)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -359,22 +361,22 @@ _CUDA = frozenset({"cuda"})
 
 @register_kernel(
     "gemm_w8a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, 16-row tiles up to "
-                f"{ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tl.dot tiles of up to 64 rows up "
+                f"to {ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
 )
 def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     if rows > ROW_TILE_MAX_ROWS:  # a prompt, or a large decode batch: one cuBLAS GEMM
         return F.linear(x, dequantize_int8_triton(qweight, scales, x.dtype))
     if rows > MAX_ROWS:
-        return w8a16_decode(x, qweight, scales, _dot_config("int8", x, qweight.shape[0]))
+        return w8a16_decode(x, qweight, scales, _dot_config("int8", x, qweight.shape[0], block_m=row_block(rows)))
     return w8a16_decode(x, qweight, scales)
 
 
 @register_kernel(
     "gemm_w4a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, 16-row tiles up to "
-                f"{ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tl.dot tiles of up to 64 rows up "
+                f"to {ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
 )
 def gemm_w4a16_decode(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -384,7 +386,7 @@ def gemm_w4a16_decode(
     if rows > ROW_TILE_MAX_ROWS:  # a prompt, or a large decode batch: one cuBLAS GEMM
         weight = dequantize_int4_triton(qweight, scales, zeros, group_size, x.shape[1], pre_quant_scale, x.dtype)
         return F.linear(x, weight)
-    config = _dot_config("int4", x, qweight.shape[0], group_size) if rows > MAX_ROWS else None
+    config = _dot_config("int4", x, qweight.shape[0], group_size, row_block(rows)) if rows > MAX_ROWS else None
     return w4a16_decode(x, qweight, scales, zeros, group_size, pre_quant_scale, config)
 
 

@@ -33,6 +33,10 @@ MAX_SPLIT = 16
 
 
 DOT_BLOCK_M = 16  # rows per tl.dot tile: the smallest M side of a tensor-core MMA
+# The most rows one tl.dot program takes past 16 rows. On an H100 with Llama-3.1-8B's projections, tiles
+# of 32 and 64 rows beat 16-row tiles and the dequantized weight on every INT4 projection at 32 to 128
+# rows, and on every INT8 one but o at 128 (bench/results/h100_quant_gemm_int4_int8_row_block_llama8b.json).
+MAX_ROW_BLOCK = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,12 +135,21 @@ def decode_config(fmt: str, rows: int, n: int, k: int, num_sms: int, group_size:
     return resolve_split(config, rows, n, k, num_sms)
 
 
-def dot_config(fmt: str, rows: int, n: int, k: int, num_sms: int, group_size: int = 128) -> DecodeConfig:
-    """The tl.dot launch for the shape (also where a GEMV cannot read the weight as words)."""
-    config = DOT_TILES[fmt]
+def dot_config(
+    fmt: str, rows: int, n: int, k: int, num_sms: int, group_size: int = 128, block_m: int = 0,
+) -> DecodeConfig:
+    """The tl.dot launch for the shape (also where a GEMV cannot read the weight as words), in programs of
+    ``block_m`` rows (0: DOT_BLOCK_M)."""
+    config = replace(DOT_TILES[fmt], block_m=block_m)
     if fmt == "int4":
         config = replace(config, block_k=min(config.block_k, group_size))
     return resolve_split(config, rows, n, k, num_sms)
+
+
+def row_block(rows: int) -> int:
+    """Rows per tl.dot program for a batch past the GEMV kernels' 16 rows: the batch in one tile of rows up
+    to MAX_ROW_BLOCK (each tile reads the weights once), in tiles of MAX_ROW_BLOCK past that."""
+    return min(MAX_ROW_BLOCK, max(DOT_BLOCK_M, 1 << (rows - 1).bit_length()))
 
 
 def resolve_split(config: DecodeConfig, rows: int, n: int, k: int, num_sms: int) -> DecodeConfig:

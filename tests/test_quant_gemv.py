@@ -184,10 +184,11 @@ def test_int8_dequantization_is_the_references_weight_exactly():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [40, 72])
+@pytest.mark.parametrize("rows", [40, 100, 136])
 def test_rows_past_the_decode_kernels_match_the_reference(dtype, rows):
-    """Past the decode kernels' 16 rows the registered INT8 and INT4 GEMMs run 16-row tiles (40 rows: three
-    tiles, the last one partial) and past 64 multiply by the dequantized weight (72)."""
+    """Past the decode kernels' 16 rows the registered INT8 and INT4 GEMMs run tl.dot tiles of up to 64 rows
+    (40 rows: one partial tile; 100: a full one and a partial one) and past 128 multiply by the dequantized
+    weight (136)."""
     x, (packed, scales, zeros, group, pqs) = _int4_operands(rows, 576, 72)
     x = x.to(dtype)
     out = decode.gemm_w4a16_decode(x, packed, scales, zeros, group, pqs)
@@ -312,12 +313,13 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero():
 
 
 def test_registered_kernels_route_by_rows(monkeypatch):
-    """Up to 16 rows the decode kernels (their own tile choice), INT8/INT4 up to 64 the 16-row tl.dot tiles,
-    past that the dequantized weight; FP8 past 16 rows the scaled matmul."""
+    """Up to 16 rows the decode kernels (their own tile choice); INT8/INT4 up to 128 the tl.dot kernel in
+    tiles of the batch's rows (up to 64), past that the dequantized weight; FP8 past 16 rows the scaled matmul."""
     calls = []
 
     def decode_call(name):
-        return lambda x, *a: calls.append((name, x.shape[0], "own" if a[-1] is None else a[-1].describe()["fma"]))
+        return lambda x, config: calls.append(
+            (name, x.shape[0], "own" if config is None else (config.fma, config.rows_per_tile)))
 
     monkeypatch.setattr(decode, "w8a16_decode", lambda x, q, s, config=None: decode_call("int8")(x, config))
     monkeypatch.setattr(decode, "w4a16_decode", lambda x, *a: decode_call("int4")(x, a[-1]))
@@ -328,7 +330,7 @@ def test_registered_kernels_route_by_rows(monkeypatch):
     monkeypatch.setattr(decode, "fp8_weight_only_decode", lambda *a: calls.append(("fp8 weight-only", a[0].shape[0])))
     monkeypatch.setattr(decode, "gemm_fp8_scaled_mm", lambda *a: calls.append(("scaled_mm", a[0].shape[0])))
     q8, q4 = torch.zeros(3, 8, dtype=torch.int8), torch.zeros(3, 4, dtype=torch.uint8)
-    for rows in (1, 16, 17, 64, 65):
+    for rows in (1, 16, 17, 64, 128, 129):
         x = torch.zeros(rows, 8)
         decode.gemm_w8a16_decode(x, q8, None)
         decode.gemm_w4a16_decode(x, q4, None, None, 128)
@@ -336,9 +338,10 @@ def test_registered_kernels_route_by_rows(monkeypatch):
     assert calls == [
         ("int8", 1, "own"), ("int4", 1, "own"), ("fp8 weight-only", 1),
         ("int8", 16, "own"), ("int4", 16, "own"), ("fp8 weight-only", 16),
-        ("int8", 17, False), ("int4", 17, False), ("scaled_mm", 17),
-        ("int8", 64, False), ("int4", 64, False), ("scaled_mm", 64),
-        ("int8 dequantized", torch.float32), ("int4 dequantized", torch.float32), ("scaled_mm", 65),
+        ("int8", 17, (False, 32)), ("int4", 17, (False, 32)), ("scaled_mm", 17),
+        ("int8", 64, (False, 64)), ("int4", 64, (False, 64)), ("scaled_mm", 64),
+        ("int8", 128, (False, 64)), ("int4", 128, (False, 64)), ("scaled_mm", 128),
+        ("int8 dequantized", torch.float32), ("int4 dequantized", torch.float32), ("scaled_mm", 129),
     ]
     cpu = torch.device("cpu")
     for kind in ("gemm_w8a16", "gemm_w4a16", "gemm_fp8"):
