@@ -59,7 +59,9 @@ import triton
 
 from plugins import gemv_tactics
 from plugins.pdl import pdl_launch_args
-from plugins.quant_gemm_decode_config import DecodeConfig, decode_config, dot_config, resolve_split, row_block
+from plugins.quant_gemm_decode_config import (
+    MAX_ROW_BLOCK, DecodeConfig, decode_config, dot_config, resolve_split, row_block,
+)
 from plugins.quant_gemm_decode_kernels import (
     _float_gemv_kernel, _w4a16_dot_bytes_kernel, _w4a16_dot_kernel, _w4a16_gemv_kernel, _w8a16_gemv_kernel,
     _weight_dot_kernel,
@@ -69,7 +71,7 @@ from plugins.quant_gemm_triton import dequantize_int4_triton, dequantize_int8_tr
 from plugins.registry import register_kernel
 
 MAX_ROWS = 16  # the registered kernels use the small-M kernels up to this many rows
-# ... and for INT8 and INT4 the tl.dot kernel in tiles of up to 64 rows up to this many, where it beat
+# ... and for INT8 and INT4 the tl.dot kernel in tiles of up to MAX_ROW_BLOCK rows up to this many, where it beat
 # dequantizing the weight for cuBLAS on an H100 (see the module docstring)
 ROW_TILE_MAX_ROWS = 128
 LOCK_SLOTS = 1 << 16  # output tiles one split launch may have (N / BLOCK_N x M tiles)
@@ -361,8 +363,8 @@ _CUDA = frozenset({"cuda"})
 
 @register_kernel(
     "gemm_w8a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tl.dot tiles of up to 64 rows up "
-                f"to {ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tl.dot tiles of up to {MAX_ROW_BLOCK} "
+                f"rows up to {ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
 )
 def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
@@ -375,8 +377,8 @@ def gemm_w8a16_decode(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tens
 
 @register_kernel(
     "gemm_w4a16", "triton_decode", device_types=_CUDA,
-    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tl.dot tiles of up to 64 rows up "
-                f"to {ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
+    description=f"Triton: split-K GEMV / 16-row tl.dot up to {MAX_ROWS} rows, tl.dot tiles of up to {MAX_ROW_BLOCK} "
+                f"rows up to {ROW_TILE_MAX_ROWS}; above, the weight dequantized once for a cuBLAS GEMM",
 )
 def gemm_w4a16_decode(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

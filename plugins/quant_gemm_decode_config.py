@@ -107,7 +107,6 @@ DOT_TILES = {
 }
 
 
-
 def split_k_for(tiles: int, k_steps: int, num_sms: int) -> int:
     """Splits of K (a power of two) so that ``tiles`` output tiles keep ``num_sms`` SMs busy."""
     split = 1
