@@ -126,6 +126,37 @@ def test_bench_dense_gemv_smoke(tmp_path: Path) -> None:
         assert row["max_rel_diff"] < 1e-5, row
 
 
+@pytest.mark.timeout(120)
+def test_int4_dequant_layouts_smoke_every_layout_matches_the_served_pass(tmp_path: Path) -> None:
+    """bench/int4_dequant_layouts.py through Triton's interpreter: each layout's bits equal the served pass's."""
+    out = tmp_path / "dequant.json"
+    cmd = [sys.executable, str(REPO / "bench" / "int4_dequant_layouts.py"), "--device", "cpu", "--smoke",
+           "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    rows = json.loads(out.read_text())["results"]
+    assert {row["variant"] for row in rows} == {"bytes", "int8", "copy_bf16", "words", "planes", "join"}
+    assert all(row.get("exact") is True for row in rows), [row for row in rows if row.get("exact") is not True]
+
+
+@pytest.mark.timeout(120)
+def test_decode_attention_splits_smoke_every_tiling_matches_the_reference(tmp_path: Path) -> None:
+    """bench/decode_attention_splits.py through Triton's interpreter: every tiling of every case is reported
+    and agrees with the torch reference."""
+    out = tmp_path / "splits.json"
+    cmd = [sys.executable, str(REPO / "bench" / "decode_attention_splits.py"), "--device", "cpu", "--smoke",
+           "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    cases = {row["case"] for row in result["results"]}
+    assert cases == {"b1 ctx40 table96", "b2 ctx40 table96"}
+    assert {row["variant"] for row in result["results"]} >= {"default", "min_split32_n32", "w2"}
+    assert all(row["max_abs_diff"] < 1e-4 for row in result["results"])  # float32 on the CPU
+
+
 def test_step_kernels_names_each_kernels_category() -> None:
     """Kernel names seen in an H200 profile of a Llama-3.1-8B step fall in the categories they belong to."""
     sys.path.insert(0, str(REPO / "bench"))
