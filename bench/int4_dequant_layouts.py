@@ -11,6 +11,8 @@ bit-identical to the served pass; they differ only in how codes are loaded and h
   so a thread's eight results are contiguous and can leave in one 16-byte store.
 * ``planes`` - one int32 word per load, then eight stores, one per nibble position, each a strided plane.
 * ``join`` - the bytes loaded contiguously, low and high nibbles interleaved with ``tl.join``.
+* ``words_k_first`` - ``words`` with the grid turned round: programs launched one after another take the
+  K blocks of the same rows, so those resident together read whole rows, not a 64-byte piece of each.
 
 Besides them: the INT8 pass over the same shapes and a plain 16-bit copy (``torch.clone``) of the dequantized
 weight, as bandwidth yardsticks. Times come from CUDA graphs over more weight copies than L2 holds
@@ -69,11 +71,15 @@ def _weights(codes, scale_ptr, zero_ptr, pqs_ptr, rn, n_mask, k0, rk, K, stride_
 
 @triton.jit
 def words_kernel(w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sg, stride_on,
-                 GROUP: tl.constexpr, HAS_PQS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # w_ptr: int32 words [N, K / 8]; code j of a word (bits 4j..4j+3) is channel 8i + j
+                 GROUP: tl.constexpr, HAS_PQS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 K_FIRST: tl.constexpr = False):
+    # w_ptr: int32 words [N, K / 8]; code j of a word (bits 4j..4j+3) is channel 8i + j. K_FIRST: neighbouring
+    # programs take neighbouring K blocks of the same rows (the grid is [K blocks, N blocks]), so the programs
+    # resident at once read whole rows instead of one 64-byte piece of every row.
     WORDS: tl.constexpr = BLOCK_K // 8
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = tl.program_id(1) * BLOCK_K
+    pid_n, pid_k = (tl.program_id(1), tl.program_id(0)) if K_FIRST else (tl.program_id(0), tl.program_id(1))
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = pid_k * BLOCK_K
     rw = tl.arange(0, WORDS)
     rk = k0 + tl.arange(0, BLOCK_K)
     n_mask = rn < N
@@ -85,6 +91,7 @@ def words_kernel(w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, 
     w = _weights(codes, scale_ptr, zero_ptr, pqs_ptr, rn, n_mask, k0, rk, K, stride_sn, stride_sg, GROUP, HAS_PQS)
     tl.store(out_ptr + rn[:, None] * stride_on + rk[None, :], w.to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (rk < K)[None, :])
+
 
 @triton.jit
 def planes_kernel(w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_sg, stride_on,
@@ -123,7 +130,7 @@ def join_kernel(w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, s
              mask=n_mask[:, None] & (rk < K)[None, :])
 
 
-KERNELS = {"words": words_kernel, "planes": planes_kernel, "join": join_kernel}
+KERNELS = {"words": words_kernel, "words_k_first": words_kernel, "planes": planes_kernel, "join": join_kernel}
 
 
 def make_call(kernel, variant: str, qweight, scales, zeros, pqs, group_size: int, k: int, block_n: int, block_k: int,
@@ -132,11 +139,13 @@ def make_call(kernel, variant: str, qweight, scales, zeros, pqs, group_size: int
     def call(q):
         n = q.shape[0]
         out = torch.empty((n, k), dtype=scales.dtype, device=q.device)
-        w = q.view(torch.int32) if variant in ("words", "planes") else q
-        kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        w = q if variant == "join" else q.view(torch.int32)
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+        extra = {"K_FIRST": True} if variant == "words_k_first" else {}
+        kernel[grid[::-1] if extra else grid](
             w, scales, zeros, pqs if pqs is not None else scales, out, n, k, w.stride(0), *scales.stride(),
             out.stride(0), GROUP=group_size, HAS_PQS=pqs is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=num_warps,
+            num_warps=num_warps, **extra,
         )
         return out
 
