@@ -17,7 +17,9 @@ format's torch reference relative to the reference's largest value.
 Past 16 rows, ``row_tiles`` times INT8 and INT4 through the 16-row ``tl.dot`` kernel over
 every row tile (the weight read once per tile) and ``row_block`` through tiles of up to 64 rows,
 beside the path that dequantizes the weight once for cuBLAS: where each wins sets how far the
-decode kernels should reach.
+decode kernels should reach. ``row_block_one_dot`` (INT4) is ``row_block`` with each step's codes
+built whole for one dot instead of eight dots of one nibble plane (``DecodeConfig.one_dot``), and the
+tl.dot variants up to 16 rows include ``dot one_dot``.
 
 ``variants``: the small-M kernels of plugins/quant_gemm_decode.py under tile
 variants (one knob at a time around the defaults of
@@ -134,9 +136,11 @@ def variants(fmt: str, smoke: bool, group_size: int) -> list[Variant]:
 
     tactics = [] if smoke else [Variant(f"tactic {name}", config) for name, config in TACTICS.get(fmt, {}).items()]
     dot = DOT_TILES[fmt]
+    one_dot = []
     if fmt == "int4":  # the INT4 tl.dot kernels step within one group
         dot = replace(dot, block_k=min(dot.block_k, group_size))
-    return around("gemv", FMA_TILES[fmt]) + around("dot", dot) + tactics
+        one_dot = [Variant("dot one_dot", replace(dot, one_dot=True))]
+    return around("gemv", FMA_TILES[fmt]) + around("dot", dot) + one_dot + tactics
 
 
 def weight_bytes(fmt: str, n: int, k: int, group_size: int = 128) -> int:
@@ -252,9 +256,13 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
                 log(f"{name:8s} M={rows:<3d} {fmt:5s} {spec.name:14s} {us:9.1f} us  x{bf16_us / us:5.2f} vs bf16 "
                     f"{bf16_us:8.1f} us")
             # The alternatives to dequantizing past 16 rows: 16-row tiles (the weights read once per 16 rows),
-            # and tiles of up to 64 rows (read once per 64).
-            for impl, block_m in (("row_tiles", 0), ("row_block", row_block(rows))):
-                call = row_tile_call(fmt, x, args.group_size, block_m)
+            # and tiles of up to 64 rows (read once per 64); for INT4 also those tiles with each step's codes
+            # built whole for one dot (``one_dot``).
+            tilings = [("row_tiles", 0, False), ("row_block", row_block(rows), False)]
+            if fmt == "int4":
+                tilings.append(("row_block_one_dot", row_block(rows), True))
+            for impl, block_m, one_dot in tilings:
+                call = row_tile_call(fmt, x, args.group_size, block_m, one_dot)
                 if call is None:
                     continue
                 try:
@@ -274,9 +282,11 @@ def measure_layer(name: str, n: int, k: int, args: argparse.Namespace, timer: Ti
     return results, variant_rows
 
 
-def row_tile_call(fmt: str, x, group_size: int, block_m: int = 0) -> Callable[[object], object] | None:
+def row_tile_call(fmt: str, x, group_size: int, block_m: int = 0,
+                  one_dot: bool = False) -> Callable[[object], object] | None:
     """Past 16 rows: the layer through the ``tl.dot`` kernel over tiles of ``block_m`` rows (0: 16), each
-    tile reading the quantized weight again. None for FP8 and up to 16 rows."""
+    tile reading the quantized weight again (INT4 with ``one_dot``: one dot a step). None for FP8 and up to
+    16 rows."""
     from plugins import quant_gemm_decode as decode
     from plugins.quant_gemm_decode_config import dot_config
 
@@ -286,7 +296,7 @@ def row_tile_call(fmt: str, x, group_size: int, block_m: int = 0) -> Callable[[o
     sms = decode.num_sms(x.device)
 
     def config(n: int):
-        return dot_config(fmt, rows, n, k, sms, group_size, block_m)
+        return replace(dot_config(fmt, rows, n, k, sms, group_size, block_m), one_dot=one_dot)
 
     if fmt == "int8":
         return lambda c: decode.w8a16_decode(x, c.qweight, c.scales, config(c.qweight.shape[0]))

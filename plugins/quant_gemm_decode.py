@@ -224,7 +224,7 @@ def w4a16_decode(
     if words is not None and dot.block_k >= MIN_PLANE_BLOCK_K and x.element_size() == 2:
         return _launch(_w4a16_dot_kernel, dot, x, out, n, k, (words, scales, zeros, pqs),
                        (words.stride(0), *scales.stride()), PRECISION=_precision(x.dtype),
-                       EVEN_K=k % dot.block_k == 0, **constants)
+                       EVEN_K=k % dot.block_k == 0, ONE_DOT=dot.one_dot, **constants)
     return _launch(_w4a16_dot_bytes_kernel, dot, x, out, n, k, (qweight, scales, zeros, pqs),
                    (qweight.stride(0), *scales.stride()), PRECISION=_precision(x.dtype), **constants)
 

@@ -59,12 +59,17 @@ class DecodeConfig:
     # tl.dot kernels: rows per program (a power of two, at least DOT_BLOCK_M); 0 is DOT_BLOCK_M. A
     # batch past one tile reads the weights once per tile of rows, so larger tiles read them less often.
     block_m: int = 0
+    # INT4 tl.dot kernel: build each step's whole [block_k, block_n] tile of codes in channel order for one
+    # dot, instead of eight dots of one nibble plane each (which Hopper runs one wgmma at a time).
+    one_dot: bool = False
 
     def __post_init__(self) -> None:
         if self.thread_k and (self.thread_k & (self.thread_k - 1) or self.block_k % self.thread_k):
             raise ValueError(f"thread_k {self.thread_k} must be a power of two dividing block_k {self.block_k}")
         if self.block_m and (self.fma or self.block_m < DOT_BLOCK_M or self.block_m & (self.block_m - 1)):
             raise ValueError(f"block_m {self.block_m}: tl.dot tiles only, a power of two of at least {DOT_BLOCK_M}")
+        if self.one_dot and self.fma:
+            raise ValueError("one_dot is a setting of the tl.dot kernel, not of the GEMV")
 
     @property
     def rows_per_tile(self) -> int:
@@ -74,7 +79,8 @@ class DecodeConfig:
     def describe(self) -> dict[str, int | bool]:
         described = {"fma": self.fma, "block_n": self.block_n, "block_k": self.block_k, "split_k": self.split_k,
                      "num_warps": self.num_warps, "num_stages": self.num_stages, "thread_k": self.thread_k}
-        return described | ({"block_m": self.block_m} if self.block_m else {})
+        return described | ({"block_m": self.block_m} if self.block_m else {}) | (
+            {"one_dot": True} if self.one_dot else {})
 
 
 # Rows up to which the GEMV (FMA) kernel is used. The defaults come from the

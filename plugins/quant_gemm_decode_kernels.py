@@ -458,11 +458,15 @@ def _w4a16_dot_kernel(
     M, N, K, stride_xm, stride_wn, stride_sn, stride_sg: tl.constexpr, stride_om, steps_per_split,
     GROUP: tl.constexpr, HAS_PQS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr, ONE_DOT: tl.constexpr = False,
 ):
     # w_ptr: the packed weight as int32 words [N, K / 8]. A step of BLOCK_K channels (dividing GROUP,
     # at least 128) is BLOCK_K / 8 words per output channel; nibble j of every word is one "plane"
     # [BLOCK_K / 8, BLOCK_N], multiplied by x's channels 8i + j: eight dots of K = BLOCK_K / 8.
+    # ONE_DOT instead spreads each word's eight codes along a middle axis and reshapes them into the
+    # step's whole [BLOCK_K, BLOCK_N] tile in channel order, for one dot of K = BLOCK_K: on Hopper the
+    # eight small dots each store their plane to shared memory and wait for their own wgmma before the
+    # next starts; one dot issues its K / 16 wgmma instructions back to back.
     WORDS: tl.constexpr = BLOCK_K // 8
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -486,16 +490,21 @@ def _w4a16_dot_kernel(
             w = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
         else:
             w = tl.load(w_ptrs, mask=n_mask[None, :] & (word * 8 < K)[:, None], other=0)
-        # x[:, 8i + 4a + 2b + c] -> the eight phases [BLOCK_M, WORDS]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))
-        dots = tl.dot(x0, _int4_plane_codes(w, 0, DTYPE), input_precision=PRECISION)
-        dots = tl.dot(x1, _int4_plane_codes(w, 1, DTYPE), dots, input_precision=PRECISION)
-        dots = tl.dot(x2, _int4_plane_codes(w, 2, DTYPE), dots, input_precision=PRECISION)
-        dots = tl.dot(x3, _int4_plane_codes(w, 3, DTYPE), dots, input_precision=PRECISION)
-        dots = tl.dot(x4, _int4_plane_codes(w, 4, DTYPE), dots, input_precision=PRECISION)
-        dots = tl.dot(x5, _int4_plane_codes(w, 5, DTYPE), dots, input_precision=PRECISION)
-        dots = tl.dot(x6, _int4_plane_codes(w, 6, DTYPE), dots, input_precision=PRECISION)
-        dots = tl.dot(x7, _int4_plane_codes(w, 7, DTYPE), dots, input_precision=PRECISION)
+        if ONE_DOT:  # codes [WORDS, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N], row 8i + j = nibble j of word i
+            nibbles = (w.to(tl.uint32, bitcast=True)[:, None, :] >> (tl.arange(0, 8) * 4).to(tl.uint32)[None, :, None])
+            codes = _int4_codes(nibbles & 0xF, DTYPE)
+            dots = tl.dot(x, tl.reshape(codes, (BLOCK_K, BLOCK_N)), input_precision=PRECISION)
+        else:
+            # x[:, 8i + 4a + 2b + c] -> the eight phases [BLOCK_M, WORDS]
+            x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))
+            dots = tl.dot(x0, _int4_plane_codes(w, 0, DTYPE), input_precision=PRECISION)
+            dots = tl.dot(x1, _int4_plane_codes(w, 1, DTYPE), dots, input_precision=PRECISION)
+            dots = tl.dot(x2, _int4_plane_codes(w, 2, DTYPE), dots, input_precision=PRECISION)
+            dots = tl.dot(x3, _int4_plane_codes(w, 3, DTYPE), dots, input_precision=PRECISION)
+            dots = tl.dot(x4, _int4_plane_codes(w, 4, DTYPE), dots, input_precision=PRECISION)
+            dots = tl.dot(x5, _int4_plane_codes(w, 5, DTYPE), dots, input_precision=PRECISION)
+            dots = tl.dot(x6, _int4_plane_codes(w, 6, DTYPE), dots, input_precision=PRECISION)
+            dots = tl.dot(x7, _int4_plane_codes(w, 7, DTYPE), dots, input_precision=PRECISION)
         x_sum = tl.sum(x.to(tl.float32), axis=1)
         group_offs = rn * stride_sn + (k0 // GROUP) * stride_sg
         scale = tl.load(scale_ptr + group_offs, mask=n_mask, other=0.0).to(tl.float32)

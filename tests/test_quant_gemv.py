@@ -11,6 +11,8 @@ graph capture).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -210,6 +212,29 @@ def test_dot_tiles_of_more_rows_match_the_reference(dtype, block_m):
         _close(decode.w4a16_decode(x, packed, scales, zeros, group, pqs, config),
                gemm_w4a16(x, packed, scales, zeros, group, pqs), dtype)
         _close(decode.w8a16_decode(x, q, q_scales, config), gemm_w8a16(x, q, q_scales), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,block_m,split_k", [(3, 0, 2), (16, 0, 1), (40, 32, 1), (40, 64, 2), (100, 64, 1)])
+def test_int4_one_dot_tiles_match_the_reference(dtype, rows, block_m, split_k):
+    """The INT4 tl.dot kernel with each step's codes built whole for one dot (``one_dot``): 16-bit rows
+    take it (float32 ones the byte kernel), with the AWQ input scale, a short last K step (576 = 4.5 steps
+    of 128) and partial tiles of rows; it must agree with the reference as the eight-plane kernel does."""
+    x, (packed, scales, zeros, group, pqs) = _int4_operands(rows, 576, 72)
+    x = x.to(dtype)
+    expected = gemm_w4a16(x, packed, scales, zeros, group, pqs)
+    config = DecodeConfig(fma=False, block_n=32, block_k=128, split_k=split_k, block_m=block_m, one_dot=True)
+    out = decode.w4a16_decode(x, packed, scales, zeros, group, pqs, config)
+    _close(out, expected, dtype)
+    planes = decode.w4a16_decode(x, packed, scales, zeros, group, pqs, replace(config, one_dot=False))
+    _close(out, planes, dtype)
+
+
+def test_one_dot_is_a_tl_dot_setting():
+    assert DecodeConfig(fma=False, block_n=64, block_k=128, one_dot=True).describe()["one_dot"] is True
+    assert "one_dot" not in _dot(64, 128, 0).describe()
+    with pytest.raises(ValueError, match="one_dot"):
+        DecodeConfig(fma=True, block_n=64, block_k=128, one_dot=True)
 
 
 def test_decode_config_rows_per_tile():
@@ -469,7 +494,9 @@ for x in ("*bf16", "*fp16"):
     cases += [
         ("w8a16 dot", K._weight_dot_kernel, pointers(x, "*i8"), {**dot, "PER_CHANNEL": True}),
         ("w4a16 dot", K._w4a16_dot_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
-         {**dot, "GROUP": 128, "HAS_PQS": True, "EVEN_K": x == "*bf16"}),
+         {**dot, "GROUP": 128, "HAS_PQS": True, "EVEN_K": x == "*bf16", "ONE_DOT": False}),
+        ("w4a16 dot, one dot of 64 rows", K._w4a16_dot_kernel, pointers(x, "*i32", "*fp16", "*fp16"),
+         {**dot, "BLOCK_M": 64, "GROUP": 128, "HAS_PQS": True, "EVEN_K": x == "*bf16", "ONE_DOT": True}),
         ("w4a16 dot bytes", K._w4a16_dot_bytes_kernel, pointers(x, "*u8", "*fp16", "*fp16"),
          {**dot, "BLOCK_K": 64, "GROUP": 64, "HAS_PQS": False}),
         ("fp8 dot", K._weight_dot_kernel, pointers(x, "*fp8e4nv"), {**dot, "SPLIT_K": 1, "PER_CHANNEL": False}),
@@ -505,4 +532,4 @@ def test_decode_kernels_compile_for_hopper():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not report["failed"], report["failed"]
-    assert report["compiled"] == 36  # 2 dtypes x (7 GEMVs x 2 specializations + 4 tl.dot kernels)
+    assert report["compiled"] == 38  # 2 dtypes x (7 GEMVs x 2 specializations + 5 tl.dot kernels)
