@@ -77,7 +77,12 @@ def words_kernel(w_ptr, scale_ptr, zero_ptr, pqs_ptr, out_ptr, N, K, stride_wn, 
     # programs take neighbouring K blocks of the same rows (the grid is [K blocks, N blocks]), so the programs
     # resident at once read whole rows instead of one 64-byte piece of every row.
     WORDS: tl.constexpr = BLOCK_K // 8
-    pid_n, pid_k = (tl.program_id(1), tl.program_id(0)) if K_FIRST else (tl.program_id(0), tl.program_id(1))
+    if K_FIRST:
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(0)
+    else:
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * BLOCK_K
     rw = tl.arange(0, WORDS)
