@@ -5,7 +5,8 @@ dependent loads in one program (step metadata, a block-table entry, then the K a
 per ``block_n`` keys) plus the merge kernel after it. The tile defaults of
 ``plugins/attention_triton_decode.py`` were chosen on 16 to 1,024 requests, where there are programs enough to
 fill the GPU; this sweep asks what small batches want: shorter splits (fewer dependent iterations per program,
-more partial results to merge), smaller key tiles, fewer warps.
+more partial results to merge), smaller key tiles, fewer warps, and splits cut from each row's own keys instead
+of the padded table (``DecodeTiles.dynamic_split``).
 
 Each case is Llama-3.1-8B's attention shape (32 heads, 8 KV heads, head dim 128, 32 tokens per block, bfloat16)
 for ``--layers`` layers with their own caches, the block table padded to ``--table-tokens`` as a CUDA-graph
@@ -62,6 +63,12 @@ def tile_variants(default):
     out.append(("min_split32_n32_w2", replace(default, min_split_tokens=32, block_n=32, num_warps=2)))
     out.append(("stages1", replace(default, num_stages=1)))
     out.append(("min_split64_stages1", replace(default, min_split_tokens=64, num_stages=1)))
+    # Splits cut from each row's own keys (DecodeTiles.dynamic_split), alone and with more, shorter splits.
+    dynamic = replace(default, dynamic_split=True)
+    out.append(("dynamic", dynamic))
+    out.append(("dynamic_min_split64", replace(dynamic, min_split_tokens=64)))
+    out.append(("dynamic_min_split32_n32", replace(dynamic, min_split_tokens=32, block_n=32)))
+    out.append(("dynamic_w2", replace(dynamic, num_warps=2)))
     return out
 
 

@@ -57,6 +57,10 @@ class DecodeTiles:
     programs_per_sm: int = 4
     min_split_tokens: int = 128
     max_splits: int = 64
+    # Cut each row's own keys into the splits (at least block_n each) instead of the padded table width:
+    # a short context then spreads over several splits of one key tile each (a shorter chain of
+    # dependent loads per program) where fixed splits give it one or two splits of several tiles.
+    dynamic_split: bool = False
 
 
 def decode_tiles(head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> DecodeTiles:
@@ -143,7 +147,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, WINDOW: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_MODE: tl.constexpr, KV_QUANT: tl.constexpr, KV_F16: tl.constexpr,
-    PDL: tl.constexpr, TREE: tl.constexpr,
+    PDL: tl.constexpr, TREE: tl.constexpr, DYNAMIC_SPLIT: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -156,6 +160,8 @@ def _decode_split_kernel(
     first = 0
     if WINDOW > 0:
         first = tl.maximum(seq_len - WINDOW, 0)
+    if DYNAMIC_SPLIT:  # this row's keys over the splits, whole key tiles each
+        split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)  # start >= end: an empty split
     if TREE:  # a draft-tree row: bit d of its mask says whether it sees the key d positions back
@@ -299,7 +305,7 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=tiles.block_n, TOKENS_PER_BLOCK=tokens_per_block, WINDOW=max(0, sliding_window),
         SINGLE_SPLIT=single, DOT_MODE=dot_mode(torch.float16 if kv_f16 else q.dtype), KV_QUANT=kv_quant, KV_F16=kv_f16,
-        TREE=meta.tree_masks is not None,
+        TREE=meta.tree_masks is not None, DYNAMIC_SPLIT=tiles.dynamic_split and not single,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl,
     )
     if not single:

@@ -93,6 +93,24 @@ def test_generation_split_k_with_empty_splits(window):
     assert_matches(out, reference(q, k, v, meta, 0.125, window), q.dtype)
 
 
+@pytest.mark.parametrize("window", [0, 24])
+def test_generation_splits_cut_from_each_rows_own_keys(window):
+    # dynamic_split: each row's keys (or its window) spread over all four splits (of the 256-token table)
+    # in whole key tiles: 48 keys a split for the 151-key row (64 with fixed splits), 16 for the 21-key
+    # row, one split for the 1-key row; padding rows stay zeros.
+    requests = [(0, 1), (20, 1), (150, 1)]
+    q, k, v, meta = make_step(requests, 6, 2, 64, 16, seed=3, extra_table_blocks=6)
+    tiles = DecodeTiles(block_n=16, num_warps=4, num_stages=1, programs_per_sm=64, min_split_tokens=64,
+                        dynamic_split=True)
+    assert decode_splits(len(requests), 2, meta.block_tables.shape[1] * 16, 4, tiles) == (4, 64)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, meta, 0.125, window, out, tiles, num_sms=4)
+    assert_matches(out, reference(q, k, v, meta, 0.125, window), q.dtype)
+    meta.context_lens_t[1] = 0
+    decode_attention(q, k, v, meta, 0.125, window, out, tiles, num_sms=4)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
 def test_generation_row_without_keys_gives_zeros():
     # A row with no keys at all (a padding row) must come out as finite zeros,
     # not NaN, and leave the real rows alone: with one split and with several.
