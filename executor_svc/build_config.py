@@ -16,7 +16,7 @@ from executor_svc.quantization.quant_mode import (
 
 # Layer kinds whose implementation is chosen at build time; "auto" times the
 # candidates that can run on the target and keeps the fastest.
-PLUGIN_KINDS = ("attention", "rmsnorm", "rope", "activation", "gemm")
+PLUGIN_KINDS = ("attention", "rmsnorm", "rope", "activation", "gemm", "argmax")
 # The quantized GEMMs, one kind per weight/activation format; an engine chooses
 # (and records) only the kind its quant_algo uses.
 QUANT_PLUGIN_KINDS = ("gemm_w8a16", "gemm_w4a16", "gemm_w8a8", "gemm_fp8")

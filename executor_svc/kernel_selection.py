@@ -42,6 +42,7 @@ BENCHMARKS = {
     "activation": "[{tokens}, 2 x intermediate]",
     "gemm": "a layer's projections (qkv, o, gate_up, down) at 1 token, then qkv at {tokens} tokens",
     "attention": "generation step, 16 requests x 512 cached tokens",
+    "argmax": "greedy choice over float32 logits of 1 row, then of {rows} rows",
 }
 
 
@@ -87,7 +88,15 @@ def benchmark_inputs(kind: str, model: ModelConfig, build: BuildConfig, device: 
         return lambda: calls
     if kind == "attention":
         return _attention_inputs(build, heads, kv_heads, dim, randn, kv_randn, device)
+    if kind == "argmax":  # logits come out of the LM head in float32: a batch-1 step, then a small batch
+        calls = [(torch.randn(rows, model.vocab_size, generator=gen).to(device),) for rows in argmax_rows(build)]
+        return lambda: calls
     raise ValueError(f"unknown kind {kind!r}")
+
+
+def argmax_rows(build: BuildConfig) -> tuple[int, ...]:
+    """Rows of the argmax timings: one (batch-1 decode), then the largest batch up to 16."""
+    return tuple(sorted({1, min(build.max_batch_size, 16)}))
 
 
 def linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
@@ -264,6 +273,7 @@ def select_plugins(model: ModelConfig, build: BuildConfig, device: torch.device,
         args = benchmark_inputs(kind, model, build, device, dtype)
         choices[kind] = choose(kind, build.plugin_for(kind), candidates, device, dtype, args, build.allow_fallback)
         record_tactics(choices[kind], tactics)
-        choices[kind].benchmark = BENCHMARKS[kind].format(tokens=min(build.max_num_tokens, 256))
+        choices[kind].benchmark = BENCHMARKS[kind].format(tokens=min(build.max_num_tokens, 256),
+                                                          rows=argmax_rows(build)[-1])
         log.info("%s: %s (%s)", kind, choices[kind].name, ", ".join(f"{n} {t:.0f} us" for n, t in choices[kind].timings_us.items()))
     return choices

@@ -40,6 +40,7 @@ from executor_svc.speculative.proposer import MAX_DRAFT_TOKENS, DraftRequest, Ng
 from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsRunner, emitted_tokens
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
+from plugins.registry import get_kernel
 from kvcache.layout import scratch_block
 from kvcache.manager import blocks_for_tokens
 from protos.plan import CachedRequest, NewRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
@@ -124,7 +125,8 @@ class ModelRunner:
         self.device = engine.device
         self.tokens_per_block = engine.tokens_per_block
         self.vocab_size = engine.model_config.vocab_size
-        self.sampler = Sampler()
+        argmax = engine.manifest.plugins.get("argmax")  # engines built before argmax was a kind: the reference
+        self.sampler = Sampler(get_kernel("argmax", argmax.name if argmax else "torch", self.device, engine.dtype).fn)
         self.requests: dict[str, RequestState] = {}
         self.proposer = build_proposer(engine.speculative, engine)
         self.max_draft_tokens = 0

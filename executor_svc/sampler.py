@@ -7,11 +7,12 @@ penalty -> (greedy rows: argmax) -> temperature -> top_k -> top_p -> min_p -> dr
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from executor_svc.packed_forward import to_device
+from plugins.argmax_torch import row_argmax
 from protos.plan import SamplingConfig
 
 _NEG_INF = float("-inf")
@@ -204,7 +205,14 @@ def config_probs(logits: torch.Tensor, configs: Sequence[SamplingConfig]) -> tor
 
 
 class Sampler:
-    """Picks one token per row of a logits batch, each row by its own request's state."""
+    """Picks one token per row of a logits batch, each row by its own request's state.
+
+    ``argmax`` takes the lowest index of each row's maximum ([rows, vocab] -> [rows]); the engine passes
+    the implementation its build chose (``plugins/argmax_torch.py``), every one equal to ``torch.argmax``.
+    """
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax) -> None:
+        self.argmax = argmax
 
     def process_logits(self, logits: torch.Tensor,
                        states: Sequence[RequestSamplingState]) -> torch.Tensor:
@@ -233,15 +241,15 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.config.is_greedy]
         sampled = [i for i, s in enumerate(states) if not s.config.is_greedy]
         if not sampled and not any(s.adjusts_logits for s in states):
-            return logits.argmax(dim=-1)  # the common greedy batch: no copy, no per-row work
+            return self.argmax(logits)  # the common greedy batch: no copy, no per-row work
         logits = self.process_logits(logits, states)
         device = logits.device
         if not sampled:
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         chosen = torch.empty(len(states), dtype=torch.long, device=device)
         if greedy:
             rows = to_device(greedy, torch.long, device)
-            chosen[rows] = logits[rows].argmax(dim=-1)
+            chosen[rows] = self.argmax(logits[rows])
         rows = to_device(sampled, torch.long, device) if greedy else None
         probs = config_probs(logits if rows is None else logits[rows], [states[i].config for i in sampled])
         noise = torch.empty_like(probs)
@@ -249,7 +257,7 @@ class Sampler:
             states[i]._catch_up(probs.shape[1], device)
             noise[j].exponential_(generator=states[i].generator)
         # A zero draw would turn a filtered (prob 0) token into 0/0 = NaN, which argmax picks.
-        picks = (probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+        picks = self.argmax(probs / noise.clamp_min_(torch.finfo(torch.float32).tiny))
         if rows is None:
             return picks
         chosen[rows] = picks

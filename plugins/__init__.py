@@ -8,6 +8,7 @@ from plugins.registry import KernelSpec, get_kernel, list_kernels, register_kern
 # file plus one line here.
 from plugins import activation_torch as _activation_torch  # noqa: F401,E402
 from plugins import activation_triton as _activation_triton  # noqa: F401,E402
+from plugins import argmax_torch as _argmax_torch  # noqa: F401,E402
 from plugins import attention_torch as _attention_torch  # noqa: F401,E402
 from plugins import attention_triton as _attention_triton  # noqa: F401,E402
 from plugins import gemm_torch as _gemm_torch  # noqa: F401,E402

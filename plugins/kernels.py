@@ -17,6 +17,7 @@ class Kernels:
     rope: Callable[..., torch.Tensor]  # rope_torch.py: rope_and_write_kv (rotate q and k, write k and v)
     activation: Callable[..., torch.Tensor]  # activation_torch.py: act_and_mul
     gemm: Callable[..., torch.Tensor]  # gemm_torch.py: linear
+    argmax: Callable[..., torch.Tensor]  # argmax_torch.py: row_argmax (greedy token choice, used by the sampler)
 
     @classmethod
     def from_names(cls, names: dict[str, str], device: torch.device, dtype: torch.dtype) -> Kernels:

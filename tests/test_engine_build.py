@@ -36,7 +36,7 @@ def test_manifest_records_build(engine_dir):
     manifest = read_manifest(engine_dir)
     assert manifest.dtype == "float32" and manifest.max_seq_len == 2048
     assert manifest.build_config.tokens_per_block == 16
-    assert set(manifest.plugins) == {"attention", "rmsnorm", "rope", "activation", "gemm"}
+    assert set(manifest.plugins) == {"attention", "rmsnorm", "rope", "activation", "gemm", "argmax"}
     assert all(c.timings_us[c.name] > 0 for c in manifest.plugins.values())
     assert manifest.versions["torch"] == torch.__version__
     assert (engine_dir / "rank0.safetensors").exists() and (engine_dir / "tokenizer.json").exists()

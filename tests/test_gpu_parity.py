@@ -18,6 +18,7 @@ import json
 import pytest
 import torch
 
+from executor_svc.build_config import PLUGIN_KINDS
 from tests.conftest import TEST_DEVICE
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="compares GPU kernels with the torch reference")
@@ -45,7 +46,7 @@ def engines(tmp_path_factory, model_dir):
         if path.name.startswith(("tokenizer", "special_tokens")):
             (folder / path.name).write_bytes(path.read_bytes())
     built = {}
-    for name, plugins in (("fast", {}), ("reference", {k: "torch" for k in ("attention", "rmsnorm", "rope", "activation", "gemm")})):
+    for name, plugins in (("fast", {}), ("reference", {k: "torch" for k in PLUGIN_KINDS})):
         build = BuildConfig(max_batch_size=16, max_num_tokens=512, max_seq_len=4096, tokens_per_block=32, dtype="bfloat16",
                             plugin_config=plugins)
         build_engine(folder, folder.parent / name, build, device="cuda", load_format="dummy", progress=False)
