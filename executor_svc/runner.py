@@ -707,6 +707,7 @@ class ModelRunner:
         if step.verifications:
             row_tokens, row_accepted = verify_drafts(
                 logits[num_plain:], to_device(chain_drafts, torch.int64, self.device), chain_states,
+                self.sampler.argmax,
             )
             parts += [row_tokens, row_accepted.to(torch.int64)]
         if parts:

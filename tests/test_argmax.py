@@ -73,3 +73,16 @@ def test_both_are_registered_and_the_sampler_uses_the_one_it_is_given():
     states = [RequestSamplingState(SamplingConfig(temperature=0.0), [1, 2], torch.device("cpu")) for _ in range(2)]
     assert Sampler(counting).sample(logits, states) == row_argmax(logits).tolist()
     assert calls == [(2, 49152)]
+
+
+def test_greedy_verification_takes_the_same_tokens_with_either():
+    from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
+
+    logits = torch.randn(4, 49152, generator=torch.Generator().manual_seed(3))
+    target = torch.argmax(logits, dim=-1)
+    drafts = torch.tensor([int(target[0]), int(target[1]), 7, NO_DRAFT])  # two accepted, then a miss
+    states = [RequestSamplingState(SamplingConfig(temperature=0.0), [1, 2], torch.device("cpu"))] * 4
+    tokens, accepted = verify_drafts(logits, drafts, states, row_argmax_two_stage)
+    assert torch.equal(tokens, target) and accepted.tolist() == [True, True, bool(target[2] == 7), False]
+    reference = verify_drafts(logits, drafts, states)
+    assert torch.equal(tokens, reference[0]) and torch.equal(accepted, reference[1])

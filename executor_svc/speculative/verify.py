@@ -23,12 +23,13 @@ arrive (``accepted_prefix``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from executor_svc.packed_forward import to_device
 from executor_svc.sampler import RequestSamplingState, config_probs
+from plugins.argmax_torch import row_argmax
 
 NO_DRAFT = -1  # marks the last row of a chain: it only provides the bonus token
 
@@ -37,6 +38,7 @@ def verify_drafts(
     logits: torch.Tensor,  # [rows, vocab]: for each request, its 1 + k rows in order
     draft_ids: torch.Tensor,  # [rows] int64: the draft each row judges; NO_DRAFT on each chain's last row
     states: Sequence[RequestSamplingState],  # per row (one request's state repeated over its rows)
+    argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax,  # the engine's choice (plugins/argmax_torch.py)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [rows] int64, accepted [rows] bool
     """Judge every draft of a batch at once.
 
@@ -51,14 +53,14 @@ def verify_drafts(
     safe_drafts = draft_ids.clamp_min(0)
     greedy = [i for i, s in enumerate(states) if s.config.is_greedy]
     if len(greedy) == len(states):
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
         return tokens, has_draft & (tokens == safe_drafts)
     device = logits.device
     tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=device)
     accepted = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
     if greedy:
         rows = to_device(greedy, torch.int64, device)
-        best = logits[rows].argmax(dim=-1)
+        best = argmax(logits[rows])
         tokens[rows] = best
         accepted[rows] = has_draft[rows] & (best == safe_drafts[rows])
     sampled = [i for i, s in enumerate(states) if not s.config.is_greedy]
@@ -78,7 +80,7 @@ def verify_drafts(
     # The residual: p without the draft's mass (on the bonus row nothing is removed).
     residual = probs.scatter(1, drafts[:, None], torch.where(judged, 0.0, p_draft)[:, None])
     # A zero draw would turn a removed token (prob 0) into 0/0 = NaN, which argmax picks.
-    own = (residual / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(dim=-1)
+    own = argmax(residual / noise.clamp_min_(torch.finfo(torch.float32).tiny))
     tokens[rows] = torch.where(row_accepts, drafts, own)
     accepted[rows] = row_accepts
     return tokens, accepted
