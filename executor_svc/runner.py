@@ -150,7 +150,7 @@ class ModelRunner:
                     ngram_sizes, heads_lookup = self.proposer.lookup, True
             self.rounds = RoundsRunner(engine.model, engine.kv_cache, engine.decode_graphs, self.tokens_per_block,
                                        ngram_sizes, chain, tree, end_early=engine.speculative.end_rounds_early,
-                                       heads_lookup=heads_lookup)
+                                       heads_lookup=heads_lookup, argmax=self.sampler.argmax)
             self.rounds.warm_up(range(1, self.max_draft_tokens + 1))
         # Tree drafts: tokens per request of a chained round of k drafts, k = 1.. (what the scheduler plans with).
         self.draft_tree_rows = [self.rounds.round_rows(k) for k in range(1, self.max_draft_tokens + 1)] if tree else []

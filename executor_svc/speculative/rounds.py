@@ -47,6 +47,7 @@ from executor_svc.speculative.round_stops import RoundStops
 from executor_svc.speculative.tree_rounds import TreeRounds
 from executor_svc.speculative.verify import NO_DRAFT, verify_drafts
 from kvcache.layout import device_slots, scratch_block
+from plugins.argmax_torch import row_argmax
 from protos.plan import SamplingConfig
 
 
@@ -164,12 +165,13 @@ class RoundsRunner:
         end_early: bool = True,  # stop a step's rounds once every request has finished (round_stops.py)
         # With heads: where the lookup of ``ngram_sizes`` finds a match, its drafts replace the heads' (prefer_lookup).
         heads_lookup: bool = False,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = row_argmax,  # greedy verification's (the engine's choice)
     ) -> None:
         if heads_lookup and chain is None:
             raise ValueError("heads_lookup weighs the lookup against draft heads: it needs their chain")
         self.model, self.kv_cache, self.graphs, self.end_early = model, kv_cache, graphs, end_early
         self.tokens_per_block, self.ngram_sizes, self.chain = tokens_per_block, ngram_sizes, chain
-        self.heads_lookup = heads_lookup
+        self.heads_lookup, self.argmax = heads_lookup, argmax
         # With a draft tree, steps verify trees (``tree_rounds.py``).
         self.trees = (
             TreeRounds(model, kv_cache, graphs, tokens_per_block, chain, tree)
@@ -303,7 +305,8 @@ class RoundsRunner:
             else:
                 logits, hidden = _eager_round(self.model, self.kv_cache, graphs, self.tokens_per_block, requests,
                                               positions, ids, want_hidden=self.chain is not None)
-            row_tokens, row_accepted = verify_drafts(logits, torch.cat([drafts, no_draft], dim=1).flatten(), row_states)
+            row_tokens, row_accepted = verify_drafts(logits, torch.cat([drafts, no_draft], dim=1).flatten(), row_states,
+                                                     self.argmax)
             row_tokens = row_tokens.view(batch, rows_per_request)
             out.tokens[rnd] = row_tokens
             accepted = _accept(row_tokens, row_accepted.view(batch, rows_per_request), history, lens)
