@@ -388,3 +388,25 @@ def test_speculative_generate_serves_several_trained_head_sets_in_one_run(tmp_pa
     missing = subprocess.run([*reuse[:-4], "--more-heads", str(tmp_path), "--output", str(tmp_path / "bad.json")],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "no draft_heads.json there" in missing.stderr
+
+
+@pytest.mark.timeout(300)
+def test_sm90_kernel_census_compiles_every_case_and_one_dot_issues_one_wgmma_group(tmp_path: Path) -> None:
+    """bench/sm90_kernel_census.py compiles for Hopper with Triton's own ptxas (no GPU): every case compiles,
+    and at 64 rows the INT4 tile's one dot a step is one warpgroup MMA op where the plane dots are eight."""
+    from importlib.util import find_spec
+
+    if find_spec("triton.backends.nvidia") is None:
+        pytest.skip("Triton's NVIDIA backend is not installed")
+    out = tmp_path / "census.json"
+    cmd = [sys.executable, str(REPO / "bench" / "sm90_kernel_census.py"), "--output", str(out)]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip(f"no ptxas to compile with: {proc.stderr[-500:]}")
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    kernels = {row["kernel"]: row for row in json.loads(out.read_text())["kernels"]}
+    planes, one = kernels["int4 tl.dot 64 rows: eight plane dots"], kernels["int4 tl.dot 64 rows: one dot"]
+    assert planes["ttgir"]["warp_group_dot "] == 8 and one["ttgir"]["warp_group_dot "] == 1
+    assert one["hgmma"] == planes["hgmma"] == 8 and one["spills"] == 0
+    assert kernels["int4 dequant: words"]["sass_instructions_per_weight"] > 0
