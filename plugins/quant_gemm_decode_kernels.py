@@ -174,6 +174,18 @@ def _int4_plane_codes(w, J: tl.constexpr, dtype: tl.constexpr):
     return v.to(tl.int16).to(dtype, bitcast=True)
 
 
+@triton.jit
+def _int4_word_codes(w, dtype: tl.constexpr):
+    """int32 words ``w`` [..., W] -> codes [..., W, 2, 2, 2] in ``dtype`` (as ``_int4_plane_codes``), where
+    [..., i, a, b, c] is nibble 4a + 2b + c of word i: joined plane by plane, so each thread holds its words'
+    eight codes in order (the inverse of ``_phases``), ready for wide stores."""
+    t00 = tl.join(_int4_plane_codes(w, 0, dtype), _int4_plane_codes(w, 4, dtype))  # [..., a]
+    t01 = tl.join(_int4_plane_codes(w, 1, dtype), _int4_plane_codes(w, 5, dtype))
+    t10 = tl.join(_int4_plane_codes(w, 2, dtype), _int4_plane_codes(w, 6, dtype))
+    t11 = tl.join(_int4_plane_codes(w, 3, dtype), _int4_plane_codes(w, 7, dtype))
+    return tl.join(tl.join(t00, t10), tl.join(t01, t11))  # [..., a, b], then [..., a, b, c]
+
+
 # -- INT8 per output channel -----------------------------------------------------------
 # Loops run over step indices so that k0 = step * BLOCK_K is known to be a multiple of
 # BLOCK_K, which lets the loads be vectorized (k0 from a range() with a runtime start is not).
@@ -463,10 +475,10 @@ def _w4a16_dot_kernel(
     # w_ptr: the packed weight as int32 words [N, K / 8]. A step of BLOCK_K channels (dividing GROUP,
     # at least 128) is BLOCK_K / 8 words per output channel; nibble j of every word is one "plane"
     # [BLOCK_K / 8, BLOCK_N], multiplied by x's channels 8i + j: eight dots of K = BLOCK_K / 8.
-    # ONE_DOT instead spreads each word's eight codes along a middle axis and reshapes them into the
-    # step's whole [BLOCK_K, BLOCK_N] tile in channel order, for one dot of K = BLOCK_K: on Hopper the
-    # eight small dots each store their plane to shared memory and wait for their own wgmma before the
-    # next starts; one dot issues its K / 16 wgmma instructions back to back.
+    # ONE_DOT instead joins each word's eight codes along new last axes and reshapes them into the
+    # step's whole tile in channel order, for one dot of K = BLOCK_K: on Hopper the eight small dots
+    # each store their plane to shared memory and wait for their own wgmma before the next starts;
+    # one dot issues its K / 16 wgmma instructions back to back.
     WORDS: tl.constexpr = BLOCK_K // 8
     DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -485,16 +497,23 @@ def _w4a16_dot_kernel(
         if HAS_PQS:
             x = (x.to(tl.float32) * tl.load(pqs_ptr + k, mask=k < K, other=0.0)[None, :]).to(DTYPE)
         word = k0 // 8 + rw
-        w_ptrs = w_ptr + rn[None, :] * stride_wn + word[:, None]  # [WORDS, BLOCK_N]
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+        if ONE_DOT:
+            # Words [BLOCK_N, WORDS], each output channel's run of words contiguous, spread to codes
+            # [BLOCK_N, WORDS, 8] (column 8i + j = nibble j of word i): a thread holds whole words' codes in
+            # channel order, so they reach shared memory in wide stores; the dot reads them transposed.
+            w_ptrs = w_ptr + rn[:, None] * stride_wn + word[None, :]
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & (word * 8 < K)[None, :], other=0)
+            codes = tl.reshape(_int4_word_codes(w, DTYPE), (BLOCK_N, BLOCK_K))
+            dots = tl.dot(x, tl.trans(codes), input_precision=PRECISION)
         else:
-            w = tl.load(w_ptrs, mask=n_mask[None, :] & (word * 8 < K)[:, None], other=0)
-        if ONE_DOT:  # codes [WORDS, 8, BLOCK_N] -> [BLOCK_K, BLOCK_N], row 8i + j = nibble j of word i
-            nibbles = (w.to(tl.uint32, bitcast=True)[:, None, :] >> (tl.arange(0, 8) * 4).to(tl.uint32)[None, :, None])
-            codes = _int4_codes(nibbles & 0xF, DTYPE)
-            dots = tl.dot(x, tl.reshape(codes, (BLOCK_K, BLOCK_N)), input_precision=PRECISION)
-        else:
+            w_ptrs = w_ptr + rn[None, :] * stride_wn + word[:, None]  # [WORDS, BLOCK_N]
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[None, :] & (word * 8 < K)[:, None], other=0)
             # x[:, 8i + 4a + 2b + c] -> the eight phases [BLOCK_M, WORDS]
             x0, x1, x2, x3, x4, x5, x6, x7 = _phases(tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2)))
             dots = tl.dot(x0, _int4_plane_codes(w, 0, DTYPE), input_precision=PRECISION)
