@@ -71,6 +71,8 @@ def _milliseconds(text: str) -> float:
 def _add_scheduler_flags(p: argparse.ArgumentParser, with_limits: bool) -> None:
     p.add_argument("--host", default=DEFAULT_HOST)
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="client port")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: off)")
     p.add_argument("--max-queue-size", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument(
         "--capacity-policy", default="guaranteed_no_evict", choices=["guaranteed_no_evict", "max_utilization"],

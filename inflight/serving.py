@@ -109,6 +109,7 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     from inflight.model_store import resolve_model
     from scheduler_svc.engine_loop import AsyncEngine, EngineLimits
     from scheduler_svc.executor_client import GrpcExecutorConnection
+    from scheduler_svc.metrics import start_metrics_server
     from scheduler_svc.scheduler import CapacityPolicy
     from scheduler_svc.service import start_scheduler_server
     from scheduler_svc.tokenizer import Tokenizer
@@ -129,8 +130,11 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
     engine = AsyncEngine(GrpcExecutorConnection(executor_address), tokenizer, limits)
     await engine.start()
     settle_garbage_collector()
+    metrics = None
     try:
         server = await start_scheduler_server(engine, f"{args.host}:{args.port}")
+        if args.metrics_port:
+            metrics = await start_metrics_server(engine.metrics_page, args.host, args.metrics_port)
     except OSError as exc:
         await engine.stop()
         raise SystemExit(f"inflight: {exc}") from None
@@ -140,12 +144,16 @@ async def _run_scheduler(args: argparse.Namespace, model_dir: str, executor_addr
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down")
+    if metrics is not None:
+        metrics.close()
     await server.stop()
     await engine.stop()
 
 
 def run_scheduler(args: argparse.Namespace) -> None:
     _check_port_free(args.host, args.port, "--port")
+    if args.metrics_port:
+        _check_port_free(args.host, args.metrics_port, "--metrics-port")
     asyncio.run(_run_scheduler(args, args.model, args.executor))
 
 
@@ -153,6 +161,8 @@ def run_serve(args: argparse.Namespace) -> None:
     """The executor as a child process on loopback, the scheduler in this one."""
     _check_port_free(args.host, args.port, "--port")
     _check_port_free("127.0.0.1", args.executor_port, "--executor-port")
+    if args.metrics_port:
+        _check_port_free(args.host, args.metrics_port, "--metrics-port")
     # Build (or find) the engine here, once, so both processes use the same folder.
     engine_dir = _prepare_engine(args.model, args)
     draft_dir = speculative_config_from_args(args).draft_engine_dir

@@ -20,6 +20,7 @@ from protos.plan import ExecutorInfo, StepResult
 from scheduler_svc.api_types import EngineStats, GenerationChunk, GenerationRequest, ModelDescription, Usage
 from scheduler_svc.detokenizer import IncrementalDetokenizer, detokenize_batch
 from scheduler_svc.executor_client import ExecutorConnection, ExecutorUnavailable
+from scheduler_svc.metrics import RequestMetrics, render
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.scheduler import CapacityPolicy, RequestUpdate, Scheduler, SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
@@ -124,6 +125,8 @@ class AsyncEngine:
         # the interpreter lock while another thread (the in-process executor) held it.
         self.host_seconds = {"schedule": 0.0, "update": 0.0, "deliver": 0.0}
         self.host_cpu_seconds = dict.fromkeys(self.host_seconds, 0.0)
+        # Finished requests, tokens and latencies for the metrics page (the clock of Request.arrival_time).
+        self.request_metrics = RequestMetrics(time.monotonic)
 
     async def start(self) -> None:
         await self._attach()
@@ -197,6 +200,10 @@ class AsyncEngine:
             kv=scheduler.kv.stats(), drafts=scheduler.drafts,
         )
 
+    def metrics_page(self) -> str:
+        """The Prometheus text of ``stats()`` and the finished requests' counts (scheduler_svc/metrics.py)."""
+        return render(self.stats(), self.request_metrics, self.info.model if self.info is not None else "")
+
     def limits_for_validation(self) -> Limits:
         assert self.info is not None and self.scheduler is not None, "engine not started"
         return Limits(vocab_size=self.info.vocab_size, max_seq_len=self.scheduler.config.max_seq_len)
@@ -258,7 +265,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are free before the next step is planned."""
         self._streams.pop(request_id, None)
-        if self.scheduler is not None and self.scheduler.finish_request(request_id, FinishReason.CANCELLED):
+        request = self.scheduler.finish_request(request_id, FinishReason.CANCELLED) if self.scheduler else None
+        if request is not None:
+            self.request_metrics.request_finished(request, FinishReason.CANCELLED)
             log.info("request %s cancelled", request_id)
             self._wake.set()  # freed blocks may let the queue head in
 
@@ -359,6 +368,9 @@ class AsyncEngine:
         detok = stream.detokenizer
         reason = update.finish_reason
         token_ids = update.new_token_ids
+        if token_ids and not request.has_first_token:
+            request.has_first_token = True
+            self.request_metrics.first_token(request)
         if not stream.decodes_each_step:
             if reason is None:
                 return  # the scheduler's request keeps the tokens; its text is decoded once, at the end
@@ -374,6 +386,7 @@ class AsyncEngine:
                 stream.put(GenerationChunk(request.request_id, token_ids, text))
                 return
             text += detok.flush() if reason is not FinishReason.STOP else ""
+        self.request_metrics.request_finished(request, reason)
         stream.put(
             GenerationChunk(
                 request.request_id, token_ids, text, finish_reason=reason,

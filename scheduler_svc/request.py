@@ -76,6 +76,7 @@ class Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
+    has_first_token: bool = False  # its first output token has been delivered (time to first token measured)
     # Leading full blocks of its current block table already offered to the prefix cache (as the
     # KV cache last reported it): until more blocks are full and computed, there is nothing to offer.
     num_registered_blocks: int = 0

@@ -31,10 +31,10 @@ def spawn_executor(model_dir, port: int) -> subprocess.Popen:
     return spawn("executor", "--model", str(model_dir), "--port", str(port), *ENGINE_FLAGS, *BATCH_FLAGS)
 
 
-def spawn_scheduler(model_dir, port: int, executor_port: int) -> subprocess.Popen:
+def spawn_scheduler(model_dir, port: int, executor_port: int, *extra: str) -> subprocess.Popen:
     return spawn(
         "scheduler", "--model", str(model_dir), "--port", str(port), "--executor", f"127.0.0.1:{executor_port}",
-        "--max-queue-size", "64", *BATCH_FLAGS,
+        "--max-queue-size", "64", *BATCH_FLAGS, *extra,
     )
 
 

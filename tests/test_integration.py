@@ -5,8 +5,11 @@ process connected by gRPC, driven through the public API by the Python client.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -17,17 +20,38 @@ from tests.servers import free_port, spawn_executor, spawn_scheduler, stop, wait
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
-    """`inflight executor` and `inflight scheduler` as two processes."""
-    executor_port, port = free_port(), free_port()
+def served(model_dir):
+    """`inflight executor` and `inflight scheduler` as two processes: (client address, metrics port)."""
+    executor_port, port, metrics_port = free_port(), free_port(), free_port()
     executor = spawn_executor(model_dir, executor_port)
-    scheduler = spawn_scheduler(model_dir, port, executor_port)
+    scheduler = spawn_scheduler(model_dir, port, executor_port, "--metrics-port", str(metrics_port))
     address = f"127.0.0.1:{port}"
     try:
         wait_serving(address, [executor, scheduler])
-        yield address
+        yield address, metrics_port
     finally:
         stop(scheduler, executor)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """GET /metrics: every sample as {'name{labels}': value}, each line checked against the text format."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.fullmatch(r"# (HELP|TYPE) inflight_\w+ .+", line), line
+            continue
+        match = re.fullmatch(r'(inflight_\w+(?:\{\w+="(?:[^"\\]|\\.)*"\})?) (\S+)', line)
+        assert match, line
+        samples[match.group(1)] = float(match.group(2))
+    return samples
 
 
 def test_sixteen_concurrent_streams_match_hf(server, hf_reference):
@@ -202,3 +226,33 @@ def test_serve_with_prompt_lookup_defaults_matches_hf(model_dir, hf_reference):
             assert stats.num_free_kv_blocks == stats.num_kv_blocks
     finally:
         stop(serve)
+
+
+def test_metrics_count_a_request_and_show_the_cache(served):
+    """GET /metrics on --metrics-port: a finished request moves the counters and histograms by exactly its
+    own figures; the gauges show an idle server with every KV block free; other paths are 404."""
+    address, metrics_port = served
+    prompt = "Name three colours."
+    before = scrape(metrics_port)
+    with Client(address) as client:
+        out = client.generate(prompt, max_tokens=5, temperature=0.0, ignore_eos=True)
+        wait_idle(client)
+    after = scrape(metrics_port)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert out.usage.completion_tokens == 5
+    assert grew('inflight_requests_finished_total{reason="length"}') == 1
+    assert grew("inflight_generation_tokens_total") == 5
+    assert grew("inflight_prompt_tokens_total") == out.usage.prompt_tokens
+    for histogram in ("inflight_time_to_first_token_seconds", "inflight_request_latency_seconds"):
+        assert grew(f"{histogram}_count") == 1 and grew(histogram + '_bucket{le="+Inf"}') == 1
+        assert 0 < grew(f"{histogram}_sum") < 60
+    assert after["inflight_steps_total"] > before["inflight_steps_total"]
+    assert after["inflight_executor_ready"] == 1 and after["inflight_requests_running"] == 0
+    assert after["inflight_kv_blocks_free"] == after["inflight_kv_blocks"] > 0
+    assert any(name.startswith("inflight_model_info{model=") for name in after)
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/other", timeout=10)
+    assert info.value.code == 404
