@@ -498,9 +498,9 @@ def _w4a16_dot_kernel(
             x = (x.to(tl.float32) * tl.load(pqs_ptr + k, mask=k < K, other=0.0)[None, :]).to(DTYPE)
         word = k0 // 8 + rw
         if ONE_DOT:
-            # Words [BLOCK_N, WORDS], each output channel's run of words contiguous, spread to codes
-            # [BLOCK_N, WORDS, 8] (column 8i + j = nibble j of word i): a thread holds whole words' codes in
-            # channel order, so they reach shared memory in wide stores; the dot reads them transposed.
+            # Words [BLOCK_N, WORDS], each output channel's run of words contiguous, joined to codes
+            # [BLOCK_N, WORDS, 2, 2, 2] (so column 8i + j = nibble j of word i): a thread holds whole words'
+            # codes in channel order, so they reach shared memory in wide stores; the dot reads them transposed.
             w_ptrs = w_ptr + rn[:, None] * stride_wn + word[None, :]
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=n_mask[:, None], other=0)
