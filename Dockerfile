@@ -83,7 +83,7 @@ WORKDIR /home/inflight
 RUN python -m inflight.model_store
 
 # 50051: scheduler (clients, grpc.health.v1); 50052: executor (scheduler only).
-EXPOSE 50051 50052
+EXPOSE 50051 50052 9400
 
 ENTRYPOINT ["inflight"]
 CMD ["serve", "--host", "0.0.0.0"]

@@ -352,9 +352,18 @@ def test_dockerfile_exposes_the_ports_used():
     for instr, rest in FINAL:
         if instr == "EXPOSE":
             exposed.update(int(p.split("/")[0]) for p in rest.split())
-    used = {_args(n).port for n in SCHEDULERS + EXECUTORS}
+    used = {_args(n).port for n in SCHEDULERS + EXECUTORS} | {_args(n).metrics_port for n in SCHEDULERS} - {0}
     assert used <= exposed, f"ports {sorted(used - exposed)} are used but not EXPOSEd ({sorted(exposed)})"
     assert {50051, 50052} <= exposed
+
+
+def test_scheduler_metrics_are_published_on_loopback():
+    args = _args("scheduler")
+    assert args.metrics_port, "the scheduler serves no metrics"
+    published = [(host_ip, port) for host_ip, port, target in _published_ports(SERVICES["scheduler"])
+                 if target == args.metrics_port]
+    assert published, f"the metrics port {args.metrics_port} is not published"
+    assert all(host_ip in LOOPBACK and port is not None for host_ip, port in published)
 
 
 def test_dockerfile_base_torch_cache_and_user():
