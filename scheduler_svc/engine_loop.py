@@ -318,6 +318,7 @@ class AsyncEngine:
             # measure whether steps overlap or run one at a time (then it includes handling the
             # previous result and planning this step), and from the wake-up after idling.
             period, last_result_at = started - last_result_at, started
+            self.request_metrics.step_period.observe(period)
             updates = scheduler.update(result, period, overlapped)
             self._spent("update", started, cpu)
             if len(in_flight) < depth and scheduler.has_work:

@@ -3,9 +3,9 @@
 ``inflight serve|scheduler --metrics-port N`` answers ``GET /metrics`` on that port in Prometheus's text
 format (version 0.0.4), so a Prometheus server or any scraper can watch load, the KV cache, speculative
 decoding and request latencies without a gRPC client. The figures are those of the ``Stats`` call
-(``EngineStats``) plus what the engine loop counts as requests finish (``RequestMetrics``): finished
-requests by reason, prompt and generated tokens, and histograms of time to first token and of whole
-request latency, measured from the moment a request was accepted.
+(``EngineStats``) plus what the engine loop counts (``RequestMetrics``): finished requests by reason,
+prompt and generated tokens, histograms of time to first token and of whole request latency (from the
+moment a request was accepted), and of the wall time between steps.
 
 The HTTP side is a few lines on the scheduler's own asyncio loop (no extra dependency): one response per
 connection, ``/metrics`` only.
@@ -27,6 +27,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Upper bounds in seconds (+Inf is added): interactive first tokens to long generations.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 MAX_REQUEST_BYTES = 8192  # a scrape's request line and headers
 
 
@@ -56,7 +57,7 @@ class Histogram:
 
 
 class RequestMetrics:
-    """What the engine loop counts as requests produce tokens and finish (``observe`` on every update)."""
+    """What the engine loop counts as requests produce tokens and finish, and how long its steps take."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock  # the clock of Request.arrival_time
@@ -65,6 +66,7 @@ class RequestMetrics:
         self.generation_tokens = 0
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
         self.request_latency = Histogram(LATENCY_BUCKETS)
+        self.step_period = Histogram(STEP_BUCKETS)
 
     def first_token(self, request: Request) -> None:
         """The request's first output token has just arrived."""
@@ -137,6 +139,7 @@ def render(stats: EngineStats, requests: RequestMetrics, model: str) -> str:
     for name, histogram, help_text in (
         ("time_to_first_token_seconds", requests.time_to_first_token, "From acceptance to the first output token."),
         ("request_latency_seconds", requests.request_latency, "From acceptance to the end of the request."),
+        ("step_seconds", requests.step_period, "Wall time from one step's result to the next's."),
     ):
         lines.append(f"# HELP inflight_{name} {help_text}")
         lines.append(f"# TYPE inflight_{name} histogram")

@@ -250,6 +250,7 @@ def test_metrics_count_a_request_and_show_the_cache(served):
         assert grew(f"{histogram}_count") == 1 and grew(histogram + '_bucket{le="+Inf"}') == 1
         assert 0 < grew(f"{histogram}_sum") < 60
     assert after["inflight_steps_total"] > before["inflight_steps_total"]
+    assert grew("inflight_step_seconds_count") == after["inflight_steps_total"] - before["inflight_steps_total"]
     assert after["inflight_executor_ready"] == 1 and after["inflight_requests_running"] == 0
     assert after["inflight_kv_blocks_free"] == after["inflight_kv_blocks"] > 0
     assert any(name.startswith("inflight_model_info{model=") for name in after)
