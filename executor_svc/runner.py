@@ -40,9 +40,9 @@ from executor_svc.speculative.proposer import MAX_DRAFT_TOKENS, DraftRequest, Ng
 from executor_svc.speculative.rounds import RoundsOutput, RoundsRequest, RoundsRunner, emitted_tokens
 from executor_svc.speculative.verify import NO_DRAFT, accepted_prefix, verify_drafts
 from executor_svc.step_timeline import StepTimeline
-from plugins.registry import get_kernel
 from kvcache.layout import scratch_block
 from kvcache.manager import blocks_for_tokens
+from plugins.registry import get_kernel
 from protos.plan import CachedRequest, NewRequest, RequestOutput, SamplingConfig, StepPlan, StepResult
 
 

@@ -265,7 +265,8 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request: its blocks are free before the next step is planned."""
         self._streams.pop(request_id, None)
-        request = self.scheduler.finish_request(request_id, FinishReason.CANCELLED) if self.scheduler else None
+        scheduler = self.scheduler
+        request = scheduler.finish_request(request_id, FinishReason.CANCELLED) if scheduler is not None else None
         if request is not None:
             self.request_metrics.request_finished(request, FinishReason.CANCELLED)
             log.info("request %s cancelled", request_id)

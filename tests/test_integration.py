@@ -156,7 +156,10 @@ def test_bad_requests_are_rejected_without_disturbing_others(server, hf_referenc
     assert completion.token_ids == hf_reference[0]
 
 
-def test_cancel_mid_stream_frees_blocks(server):
+def test_cancel_mid_stream_frees_blocks(served):
+    server, metrics_port = served
+    cancelled = 'inflight_requests_finished_total{reason="cancelled"}'
+    before = scrape(metrics_port)[cancelled]
     with Client(server) as client:
         total = client.stats().num_kv_blocks
         stream = client.generate_stream("Write a long story about a dragon.", max_tokens=1000, temperature=0.0, ignore_eos=True)
@@ -166,6 +169,7 @@ def test_cancel_mid_stream_frees_blocks(server):
         stream.close()  # the client cancels the RPC
         stats = wait_idle(client)
         assert stats.num_free_kv_blocks == total
+    assert scrape(metrics_port)[cancelled] == before + 1  # and the metrics count it as cancelled
 
 
 def test_deadline_exceeded_frees_blocks(server):
