@@ -14,6 +14,7 @@ connection, ``/metrics`` only.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -43,8 +44,7 @@ class Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        index = next((i for i, bound in enumerate(self.bounds) if value <= bound), len(self.bounds))
-        self.counts[index] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value (+Inf past all)
         self.total += value
         self.count += 1
 
