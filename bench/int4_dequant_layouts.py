@@ -157,6 +157,12 @@ def make_call(kernel, variant: str, qweight, scales, zeros, pqs, group_size: int
     return call
 
 
+def rotation(t: torch.Tensor, cuda: bool) -> list[torch.Tensor]:
+    """``t`` and enough clones that cycling through them outgrows L2 (on a GPU; ``t`` alone on the CPU)."""
+    count = max(1, -(-ROTATION_BYTES // (t.numel() * t.element_size()))) if cuda else 1
+    return [t] + [t.clone() for _ in range(count - 1)]
+
+
 def run(args: argparse.Namespace) -> dict:
     from plugins.quant_gemm_triton import dequantize_int4_triton, dequantize_int8_triton
 
@@ -176,12 +182,9 @@ def run(args: argparse.Namespace) -> dict:
         pqs = (torch.rand(k, generator=gen, device=device) + 0.5).to(torch.bfloat16)
         int8 = torch.randint(-127, 128, (n, k), generator=gen, device=device, dtype=torch.int32).to(torch.int8)
         int8_scales = (torch.rand(n, generator=gen, device=device) * 0.02).to(torch.bfloat16)
-        copies = max(1, -(-ROTATION_BYTES // (n * k // 2))) if cuda else 1
-        q_copies = [qweight] + [qweight.clone() for _ in range(copies - 1)]
-        i8_copies = [int8] + [int8.clone() for _ in range(max(1, -(-ROTATION_BYTES // (n * k))) - 1 if cuda else 0)]
+        q_copies, i8_copies = rotation(qweight, cuda), rotation(int8, cuda)
         served = dequantize_int4_triton(qweight, scales, zeros, args.group_size, k, pqs, torch.bfloat16)
-        dense_copies = [served] + ([served.clone() for _ in range(max(1, -(-ROTATION_BYTES // (2 * n * k))) - 1)]
-                                   if cuda else [])
+        dense_copies = rotation(served, cuda)
 
         def timed(call, inputs):
             if not cuda:

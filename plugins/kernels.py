@@ -17,11 +17,11 @@ class Kernels:
     rope: Callable[..., torch.Tensor]  # rope_torch.py: rope_and_write_kv (rotate q and k, write k and v)
     activation: Callable[..., torch.Tensor]  # activation_torch.py: act_and_mul
     gemm: Callable[..., torch.Tensor]  # gemm_torch.py: linear
-    argmax: Callable[..., torch.Tensor]  # argmax_torch.py: row_argmax (greedy token choice, used by the sampler)
 
     @classmethod
     def from_names(cls, names: dict[str, str], device: torch.device, dtype: torch.dtype) -> Kernels:
-        """Look up each kind's chosen implementation; kinds not named use the reference."""
+        """Look up each layer kind's chosen implementation; kinds not named use the reference. (The engine's
+        other kind, ``argmax``, is the sampler's: executor_svc/runner.py looks it up.)"""
         return cls(**{kind: get_kernel(kind, names.get(kind, "torch"), device, dtype).fn for kind in cls.__slots__})
 
     @classmethod

@@ -16,6 +16,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def interpreted_smoke(script: str, tmp_path: Path, timeout: float) -> dict:
+    """``bench/<script> --device cpu --smoke`` through Triton's interpreter: its JSON, after a clean exit."""
+    out = tmp_path / (Path(script).stem + ".json")
+    cmd = [sys.executable, str(REPO / "bench" / script), "--device", "cpu", "--smoke", "--output", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
 @pytest.mark.timeout(180)
 def test_bench_serving_smoke(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
@@ -60,14 +70,7 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_bench_quant_gemm_kernels_smoke(tmp_path: Path) -> None:
     """bench/quant_gemm_kernels.py on tiny shapes through Triton's interpreter: the JSON has every candidate."""
-    out = tmp_path / "quant_gemm.json"
-    cmd = [sys.executable, str(REPO / "bench" / "quant_gemm_kernels.py"), "--device", "cpu", "--smoke",
-           "--output", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=280)
-    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
-
-    result = json.loads(out.read_text())
+    result = interpreted_smoke("quant_gemm_kernels.py", tmp_path, timeout=280)
     for key in ("command", "git", "date", "device", "layers", "rows", "defaults", "summary", "best", "results",
                 "variants"):
         assert key in result, key
@@ -112,13 +115,7 @@ def test_detokenize_cost_smoke(tmp_path: Path, model_dir: Path) -> None:
 @pytest.mark.timeout(120)
 def test_bench_dense_gemv_smoke(tmp_path: Path) -> None:
     """bench/dense_gemv.py on tiny shapes through Triton's interpreter: cuBLAS and the GEMV agree, all reported."""
-    out = tmp_path / "dense_gemv.json"
-    cmd = [sys.executable, str(REPO / "bench" / "dense_gemv.py"), "--device", "cpu", "--smoke", "--output", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=110)
-    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
-
-    result = json.loads(out.read_text())
+    result = interpreted_smoke("dense_gemv.py", tmp_path, timeout=110)
     assert set(result["best"]) == {"qkv rows 1", "qkv rows 2", "down rows 1", "down rows 2"}
     for entry in result["best"].values():
         assert entry["cublas_us"] > 0 and entry["gemv_best_us"] > 0 and entry["gemv_default_us"] > 0
@@ -129,13 +126,7 @@ def test_bench_dense_gemv_smoke(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_int4_dequant_layouts_smoke_every_layout_matches_the_served_pass(tmp_path: Path) -> None:
     """bench/int4_dequant_layouts.py through Triton's interpreter: each layout's bits equal the served pass's."""
-    out = tmp_path / "dequant.json"
-    cmd = [sys.executable, str(REPO / "bench" / "int4_dequant_layouts.py"), "--device", "cpu", "--smoke",
-           "--output", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=110)
-    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
-    rows = json.loads(out.read_text())["results"]
+    rows = interpreted_smoke("int4_dequant_layouts.py", tmp_path, timeout=110)["results"]
     layouts = {"bytes", "words", "words_k_first", "planes", "join"}
     assert {row["variant"] for row in rows} == layouts | {"int8", "copy_bf16"}
     assert all(row.get("exact") is True for row in rows), [row for row in rows if row.get("exact") is not True]
@@ -145,13 +136,7 @@ def test_int4_dequant_layouts_smoke_every_layout_matches_the_served_pass(tmp_pat
 def test_decode_attention_splits_smoke_every_tiling_matches_the_reference(tmp_path: Path) -> None:
     """bench/decode_attention_splits.py through Triton's interpreter: every tiling of every case is reported
     and agrees with the torch reference."""
-    out = tmp_path / "splits.json"
-    cmd = [sys.executable, str(REPO / "bench" / "decode_attention_splits.py"), "--device", "cpu", "--smoke",
-           "--output", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-                          timeout=110)
-    assert proc.returncode == 0, f"stderr:\n{proc.stderr[-4000:]}"
-    result = json.loads(out.read_text())
+    result = interpreted_smoke("decode_attention_splits.py", tmp_path, timeout=110)
     cases = {row["case"] for row in result["results"]}
     assert cases == {"b1 ctx40 table96", "b2 ctx40 table96"}
     assert {row["variant"] for row in result["results"]} >= {"default", "min_split32_n32", "w2"}
